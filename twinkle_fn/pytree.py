@@ -1,0 +1,94 @@
+"""Pytree helpers over optree.
+
+Train states, parameters, gradients and optimizer states are pytrees whose leaves are tensors.
+Everything here is a thin, typed layer over `optree` so the rest of the core speaks one dialect:
+`None` is an empty subtree (as in JAX), dict keys are sorted, and paths are dotted strings
+(``"model.layers.0.mlp.up_proj.weight"``) so they read like PyTorch parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+PyTree = Any
+NAMESPACE = "twinkle"
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """Apply `fn` leaf-wise over `tree` and trees of the same structure in `rest`."""
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def tree_leaves(tree: PyTree) -> list[Any]:
+    """The leaves of `tree` in optree's canonical order."""
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def tree_structure(tree: PyTree) -> optree.PyTreeSpec:
+    """The structure of `tree`; compare two with ``==``."""
+    return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def tree_unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> PyTree:
+    """Rebuild a tree of structure `spec` from `leaves`."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def tree_flatten_with_path(tree: PyTree) -> list[tuple[str, Any]]:
+    """``[(dotted_path, leaf), ...]`` in canonical leaf order.
+
+    A leaf at ``tree["a"]["b"][0]`` has path ``"a.b.0"``; a bare leaf has path ``""``.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    return [
+        (".".join(str(k) for k in path), leaf) for path, leaf in zip(paths, leaves, strict=True)
+    ]
+
+
+def tree_add(a: PyTree, b: PyTree) -> PyTree:
+    """Leaf-wise ``a + b`` (new tensors)."""
+    return tree_map(torch.add, a, b)
+
+
+def tree_scale(tree: PyTree, scale: float | torch.Tensor) -> PyTree:
+    """Leaf-wise ``scale * leaf`` (new tensors)."""
+    return tree_map(lambda x: x * scale, tree)
+
+
+def tree_zeros_like(tree: PyTree) -> PyTree:
+    """A tree of zero tensors shaped, typed and placed like `tree`'s leaves."""
+    return tree_map(torch.zeros_like, tree)
+
+
+def clone_leaf(x: Any) -> Any:
+    """A copy of one leaf: tensors are cloned (``nn.Parameter`` and ``requires_grad`` kept)."""
+    if isinstance(x, torch.nn.Parameter):
+        return torch.nn.Parameter(x.detach().clone(), requires_grad=x.requires_grad)
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    return x
+
+
+def tree_clone(tree: PyTree) -> PyTree:
+    """A deep copy of every tensor leaf (``requires_grad`` and ``nn.Parameter`` kept)."""
+    return tree_map(clone_leaf, tree)
+
+
+def tree_global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
+    """The `norm_type`-norm of all leaves taken as one flat vector, as a float32 0-d tensor.
+
+    Uses ``torch._foreach_norm`` (one multi-tensor kernel per device and dtype) and stays on
+    device: no host synchronisation. Raises ``ValueError`` for a tree with no tensor leaves.
+    """
+    leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        raise ValueError("tree_global_norm: the tree has no tensor leaves")
+    norms = torch._foreach_norm(leaves, norm_type)
+    stacked = torch.stack([n.float().to(leaves[0].device) for n in norms])
+    if norm_type == float("inf"):
+        return stacked.max()
+    return torch.linalg.vector_norm(stacked, norm_type)
