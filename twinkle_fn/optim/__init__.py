@@ -1,0 +1,38 @@
+"""Optax-style optimizers over in-place torch kernels: `adamw`, `sgd`, `clip_by_global_norm`,
+composed with `chain` and applied with `apply_updates`."""
+
+from twinkle_fn.optim.adamw import AdamWState, adamw
+from twinkle_fn.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    Schedule,
+    Updates,
+    apply_updates,
+    chain,
+    current_lr,
+)
+from twinkle_fn.optim.clip import clip_by_global_norm
+from twinkle_fn.optim.masks import DecayMask, default_decay_mask, resolve_mask
+from twinkle_fn.optim.sgd import SGDState, sgd
+
+__all__ = [
+    "AdamWState",
+    "DecayMask",
+    "EmptyState",
+    "GradientTransformation",
+    "OptState",
+    "Params",
+    "SGDState",
+    "Schedule",
+    "Updates",
+    "adamw",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "current_lr",
+    "default_decay_mask",
+    "resolve_mask",
+    "sgd",
+]

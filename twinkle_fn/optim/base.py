@@ -1,0 +1,192 @@
+"""The optax-style optimizer interface: gradient transformations that work in place.
+
+A `GradientTransformation` is a pair of functions. ``init(params)`` builds the optimizer state;
+``update(updates, state, params)`` turns gradients into parameter updates and returns
+``(updates, new_state)``. Both trees are *donated*: the update is computed into the buffers of
+`updates` and the state's tensors are advanced in place, so a step allocates no parameter-sized
+memory beyond the kernels' temporaries. ``apply_updates(params, updates)`` then adds the updates to
+the parameters in place.
+
+States are pytrees whose leaves are tensors (NamedTuples of tensors and trees of tensors), so a
+train state that holds them can be flattened, sharded and checkpointed like the parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from twinkle_fn.pytree import PyTree, tree_leaves, tree_structure
+
+Params = PyTree
+Updates = PyTree
+OptState = PyTree
+Schedule = Callable[[int], float]
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer as two functions: ``init(params) -> state`` and
+    ``update(updates, state, params) -> (updates, state)`` (both arguments donated)."""
+
+    init: Callable[[Params], OptState]
+    update: Callable[[Updates, OptState, Params], tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation: a pytree with no leaves."""
+
+
+def chain(*txs: GradientTransformation) -> GradientTransformation:
+    """Compose transformations left to right: ``chain(clip, adamw)`` clips, then runs AdamW.
+
+    The state is a tuple holding one state per transformation, in the same order. Raises
+    ``TypeError`` if an argument is not a `GradientTransformation`, and (from ``update``)
+    ``ValueError`` if the state tuple has the wrong length.
+    """
+    for i, tx in enumerate(txs):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"chain: argument {i} is a {type(tx).__name__}, expected a GradientTransformation"
+            )
+
+    def init(params: Params) -> tuple[OptState, ...]:
+        return tuple(tx.init(params) for tx in txs)
+
+    def update(
+        updates: Updates, state: tuple[OptState, ...], params: Params = None
+    ) -> tuple[Updates, tuple[OptState, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(txs):
+            raise ValueError(
+                f"chain: state must be a tuple of {len(txs)} states (one per transformation), "
+                f"got {type(state).__name__}; build it with the chain's own init"
+            )
+        new_states = []
+        for tx, s in zip(txs, state, strict=True):
+            updates, s = tx.update(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Add `updates` to `params` in place (``torch._foreach_add_`` under ``no_grad``).
+
+    Returns `params` itself, whose tensors now hold the new values. Raises ``ValueError`` if the
+    two trees have different structures.
+    """
+    p = tensor_leaves_like(params, params, "params")
+    u = tensor_leaves_like(updates, params, "updates")
+    with torch.no_grad():
+        for idx in foreach_groups(p):
+            torch._foreach_add_([p[i] for i in idx], [u[i] for i in idx])
+    return params
+
+
+def current_lr(opt_state: OptState) -> float | None:
+    """The learning rate that the *last* update used, for logging.
+
+    Searches `opt_state` (a state, or the tuple of states of a `chain`, nested to any depth) for
+    the first state with 0-d tensor fields ``count`` and ``lr`` (`AdamWState`, `SGDState`).
+    Returns ``None`` if there is none, or if it has applied no update yet. Reads CPU tensors only:
+    no device sync.
+    """
+    found = _scheduled_state(opt_state)
+    if found is None or int(found.count) == 0:
+        return None
+    return float(found.lr)
+
+
+def _scheduled_state(opt_state: OptState) -> Any:
+    """The first state in `opt_state` (depth first) with 0-d tensor ``count`` and ``lr``."""
+    fields = (getattr(opt_state, "count", None), getattr(opt_state, "lr", None))
+    if all(isinstance(f, torch.Tensor) and f.dim() == 0 for f in fields):
+        return opt_state
+    if isinstance(opt_state, tuple | list):
+        for sub in opt_state:
+            if (found := _scheduled_state(sub)) is not None:
+                return found
+    return None
+
+
+def tensor_leaves_like(tree: PyTree, reference: PyTree, name: str) -> list[torch.Tensor]:
+    """The leaves of `tree`, after checking that it has `reference`'s structure and that every
+    leaf is a tensor. Raises ``ValueError`` naming `name` otherwise."""
+    if tree is not reference and tree_structure(tree) != tree_structure(reference):
+        raise ValueError(
+            f"{name} must have the structure of the parameters it belongs to: "
+            f"got {tree_structure(tree)}, expected {tree_structure(reference)}"
+        )
+    leaves = tree_leaves(tree)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"{name}: leaf {i} is a {type(leaf).__name__}, expected a Tensor")
+    return leaves
+
+
+def foreach_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Indices of `tensors` grouped by (device, dtype), each group in input order.
+
+    ``torch._foreach_*`` kernels run as one fused launch only over tensors that share a device and
+    a dtype; mixed lists silently fall back to a per-tensor loop.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def check_nonnegative(name: str, value: Any, *, below_one: bool = False) -> float:
+    """`value` as a float, after checking it is a finite real number >= 0 (and < 1 if
+    `below_one`). Raises ``ValueError`` naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0 or (below_one and value >= 1.0):
+        bound = "in [0, 1)" if below_one else "finite and >= 0"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
+def check_lr(lr: float | Schedule) -> float | Schedule:
+    """`lr` as given if it is a schedule (a callable), else as a float checked to be finite and
+    >= 0. Raises ``ValueError`` for anything else (e.g. the string ``"1e-3"``)."""
+    if callable(lr):
+        return lr
+    return check_nonnegative("lr", lr)
+
+
+def init_counter() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(count, lr)`` for a fresh scheduled state, both 0-d CPU tensors: count (int64) is the
+    number of updates applied, 0; lr (float64) is the lr of the last update, 0 before the first
+    (not NaN, so that states compare equal with ``torch.equal``).
+
+    They live on the CPU so that evaluating the schedule and logging the lr need no device sync.
+    """
+    return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.float64)
+
+
+def lr_at(lr: float | Schedule, count: torch.Tensor) -> float:
+    """The lr for the update about to run: `lr` itself, or the schedule at `count` (the number of
+    updates already applied). Raises ``ValueError`` if a schedule returns a non-finite or negative
+    value."""
+    if not callable(lr):
+        return lr
+    value = lr(operator.index(count))
+    try:
+        return check_nonnegative("lr", value)
+    except ValueError as err:
+        raise ValueError(
+            f"the lr schedule returned a bad value at step {int(count)}: {err}"
+        ) from None
+
+
+def advance_counter(count: torch.Tensor, lr_tensor: torch.Tensor, lr: float) -> None:
+    """Record one applied update with learning rate `lr`, in place."""
+    count.add_(1)
+    lr_tensor.fill_(lr)
