@@ -1,0 +1,61 @@
+"""A character-level tokenizer with a ChatML chat template, built offline.
+
+The `twinkle train` demo trains a tiny random-init model with no network, so it cannot download
+a tokenizer. This one is a real ``transformers`` fast tokenizer (it saves and reloads through
+``AutoTokenizer``) with a vocabulary small enough for a tiny model: five special tokens, then
+printable ASCII, newline and tab, one token each.
+"""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, EOS, IM_START, IM_END, UNK = (
+    "<|pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|unk|>",
+)
+SPECIAL_TOKENS = (PAD, EOS, IM_START, IM_END, UNK)
+CHARS = (*(c for c in string.printable if c.isprintable()), "\n", "\t")
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def char_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """Build the character-level ChatML tokenizer (102 ids).
+
+    Ids 0-4 are ``<|pad|>``, ``<|endoftext|>`` (EOS), ``<|im_start|>``, ``<|im_end|>`` and
+    ``<|unk|>``; then one id per printable ASCII character, newline and tab. Any other character
+    encodes to ``<|unk|>``. Decoding joins characters with no added spaces, so ``decode(encode(s))
+    == s`` for strings over that alphabet. The chat template renders each message as
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` and the generation prompt as
+    ``<|im_start|>assistant\\n``, like Qwen's.
+    """
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character is its own pre-token; special tokens are matched before this split.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
