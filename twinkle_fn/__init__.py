@@ -1,0 +1,38 @@
+"""twinkle_fn: the functional training core.
+
+Immutable train states (optree pytrees) and pure functions over them::
+
+    import twinkle_fn as tf
+
+    model = tf.models.from_hf_config(config)
+    state = tf.init(model, tf.optim.adamw(tf.schedules.warmup_cosine(1e-3, 10, 100)))
+    grads, aux = tf.fwd_bwd(state, batch)
+    state, info = tf.step(state, grads)
+"""
+
+from twinkle_fn import checkpoint, data, losses, models, optim, pytree, schedules
+from twinkle_fn.api import evaluate, fwd_bwd, init, shard, step
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.sharding import ShardSpec, local_shard
+from twinkle_fn.state import DonatedError, Grads, TrainState
+
+__all__ = [
+    "DonatedError",
+    "Grads",
+    "Mesh",
+    "ShardSpec",
+    "TrainState",
+    "checkpoint",
+    "data",
+    "evaluate",
+    "fwd_bwd",
+    "init",
+    "local_shard",
+    "losses",
+    "models",
+    "optim",
+    "pytree",
+    "schedules",
+    "shard",
+    "step",
+]

@@ -1,0 +1,1 @@
+"""Backends: how a `Model` runs forward/backward (one module per backend)."""

@@ -1,0 +1,123 @@
+"""The transformers backend's forward/backward on one process.
+
+The module computes with the state's own parameter tensors: `bind` points the module at them (a
+pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The loss is
+the fused linear + cross-entropy over the final hidden states, so full ``[tokens, vocab]`` logits
+are never built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from twinkle_fn.data.packing import packed_attention_mask
+from twinkle_fn.losses import LossOutput, fused_linear_cross_entropy_sum
+from twinkle_fn.state import Grads, TrainState
+
+_LCG_MUL = 6364136223846793005
+_LCG_INC = 1442695040888963407
+
+
+def bind(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Make `module`'s parameters named in `params` be exactly those tensor objects.
+
+    Raises ``KeyError`` naming a parameter the module does not have.
+    """
+    for name, tensor in params.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if leaf not in owner._parameters:
+            raise KeyError(f"the module has no parameter {name!r}")
+        if owner._parameters[leaf] is not tensor:
+            owner._parameters[leaf] = tensor
+
+
+def model_inputs(
+    batch: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a transformers decoder for a padded or packed `batch`.
+
+    Padded batches pass their ``attention_mask [B, T]``; packed ones (with ``cu_seqlens``) get a
+    block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not isolate
+    packed samples from ``position_ids`` alone.
+    """
+    ids = batch["input_ids"].to(device, non_blocking=True)  # [B, T]
+    kwargs = {"input_ids": ids}
+    if "position_ids" in batch:
+        kwargs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    if "cu_seqlens" in batch:
+        mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
+        kwargs["attention_mask"] = mask.to(device, non_blocking=True)
+    elif "attention_mask" in batch:
+        kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    return kwargs
+
+
+def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+    """Token-summed causal-LM loss of `batch` under `state` (differentiable w.r.t. its params)."""
+    model = state.model
+    module = model.module
+    bind(module, state.params)
+    device = model.device
+    autocast = (
+        torch.autocast(device.type, dtype=model.compute_dtype)
+        if model.compute_dtype != torch.float32
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        hidden = module.get_decoder()(**model_inputs(batch, device)).last_hidden_state  # [B, T, H]
+    head = module.get_output_embeddings()
+    # Under autocast the head runs in the compute dtype, like every other matmul of the forward.
+    weight = head.weight.to(hidden.dtype)
+    bias = None if head.bias is None else head.bias.to(hidden.dtype)
+    labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
+    return fused_linear_cross_entropy_sum(hidden, weight, labels, bias=bias)
+
+
+def fwd_bwd(
+    state: TrainState, batch: Mapping[str, torch.Tensor], accum: Grads | None
+) -> tuple[Grads, dict[str, torch.Tensor]]:
+    """Gradients of the token-summed loss of `batch`, added into `accum`'s buffers if given.
+
+    `accum` is consumed (its buffers become the result's); the caller handles donation. Returns
+    the new `Grads` and ``{"loss_sum", "num_tokens"}`` of this micro-batch alone.
+    """
+    params = state.params
+    micro_index = 0 if accum is None else accum.num_micro_batches
+    for name, p in params.items():
+        p.grad = None if accum is None else accum.params[name]
+    try:
+        with _seeded(state.rng, micro_index, state.model.device):
+            out = loss_of(state, batch)
+        out.loss_sum.backward()
+        grads = {
+            n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()
+        }
+    finally:
+        for p in params.values():
+            p.grad = None
+    loss_sum = out.loss_sum.detach().float()
+    num_tokens = out.num_tokens.detach()
+    if accum is not None:
+        loss_sum = accum.loss_sum + loss_sum
+        num_tokens = accum.num_tokens + num_tokens
+    new = Grads(grads, loss_sum, num_tokens, num_micro_batches=micro_index + 1)
+    return new, {"loss_sum": out.loss_sum.detach(), "num_tokens": out.num_tokens.detach()}
+
+
+def next_key(rng: torch.Tensor) -> torch.Tensor:
+    """The random key after `rng` (a 64-bit LCG; int64 arithmetic wraps)."""
+    return rng * _LCG_MUL + _LCG_INC
+
+
+@contextlib.contextmanager
+def _seeded(rng: torch.Tensor, micro_index: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's generators from the state's key and the micro-batch index, then restore them."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        seed = (int(rng) + micro_index * _LCG_INC) % (1 << 63)
+        torch.manual_seed(seed)
+        yield

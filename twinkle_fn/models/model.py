@@ -1,0 +1,161 @@
+"""`Model`: the static description of what a train state computes with.
+
+A `Model` pairs a module skeleton (a transformers causal LM) with its family, the backend that runs
+it and the dtype its matmuls run in. It is static metadata of a `TrainState`: the trainable tensors
+live in the state, the module only provides the computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from twinkle_fn.models.families import family_of
+
+BACKENDS: tuple[str, ...] = ("fsdp",)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A causal LM ready to be trained by a backend.
+
+    ``module``: the transformers model (parameters in ``param_dtype``, usually float32 master
+    weights). ``family``: its ``model_type``. ``backend``: ``"fsdp"`` (the transformers backend,
+    which on one process runs the module as is). ``compute_dtype``: the autocast dtype of the
+    forward pass (``torch.float32`` means no autocast).
+    """
+
+    module: torch.nn.Module
+    family: str
+    backend: str = "fsdp"
+    compute_dtype: torch.dtype = torch.float32
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The HF config of the module."""
+        return self.module.config
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's first parameter."""
+        return next(self.module.parameters()).device
+
+
+def from_hf_config(
+    config: PretrainedConfig | dict[str, Any],
+    *,
+    backend: str = "fsdp",
+    precision: str = "fp32",
+    device: str | torch.device | None = None,
+    seed: int | None = None,
+) -> Model:
+    """Build a randomly initialised causal LM of a supported family from an HF config.
+
+    `config` is a ``PretrainedConfig`` or a dict with a ``model_type`` key. `precision` is the
+    compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (parameters stay float32 master weights).
+    `seed` seeds the initialisation. Raises ``ValueError`` for an unknown family, backend or
+    precision.
+    """
+    if isinstance(config, dict):
+        if "model_type" not in config:
+            raise ValueError("config dict has no 'model_type'; add e.g. model_type='qwen2'")
+        config = AutoConfig.for_model(**config)
+    family = family_of(config)
+    _check_backend(backend)
+    compute_dtype = _dtype(precision)
+    if seed is not None:
+        torch.manual_seed(seed)
+    module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return Model(module.to(device or _default_device()), family, backend, compute_dtype)
+
+
+def from_pretrained(
+    model_id: str | os.PathLike[str],
+    *,
+    backend: str = "fsdp",
+    precision: str = "fp32",
+    device: str | torch.device | None = None,
+) -> Model:
+    """Load a causal LM of a supported family from a local HF directory or a hub id.
+
+    `model_id` is a directory with ``config.json`` and safetensors weights, or ``hf://org/name`` /
+    ``ms://org/name`` (downloaded only when that hub is reachable). Raises ``ValueError`` when the
+    directory has no ``config.json``, the family is unknown, or a hub id cannot be fetched.
+    """
+    path = resolve_model_dir(model_id)
+    config = AutoConfig.from_pretrained(path)
+    family = family_of(config)
+    _check_backend(backend)
+    compute_dtype = _dtype(precision)
+    module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return Model(module.to(device or _default_device()), family, backend, compute_dtype)
+
+
+def resolve_model_dir(model_id: str | os.PathLike[str]) -> Path:
+    """A local directory holding the model `model_id` names.
+
+    Local paths are returned as they are; ``hf://`` ids go through ``huggingface_hub`` and
+    ``ms://`` ids through ``modelscope`` (when installed). Raises ``ValueError`` with the cause
+    when a directory lacks ``config.json`` or a download fails (e.g. no hub is reachable).
+    """
+    text = os.fspath(model_id)
+    for prefix, fetch in (("hf://", _fetch_hf), ("ms://", _fetch_ms)):
+        if text.startswith(prefix):
+            return fetch(text.removeprefix(prefix))
+    path = Path(text)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {text!r} is not a directory with a config.json; pass a local HF model "
+            "directory, or a hub id as hf://org/name or ms://org/name"
+        )
+    return path
+
+
+def _fetch_hf(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, etag_timeout=10))
+    except Exception as e:
+        raise ValueError(
+            f"could not download hf://{repo_id} ({type(e).__name__}: {e}); is the hub reachable? "
+            "Otherwise pass a local model directory"
+        ) from e
+
+
+def _fetch_ms(repo_id: str) -> Path:
+    try:
+        from modelscope import snapshot_download
+    except ImportError as e:
+        raise ValueError(
+            f"ms://{repo_id} needs the `modelscope` package; pip install modelscope, "
+            "or pass a local model directory"
+        ) from e
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as e:
+        raise ValueError(
+            f"could not download ms://{repo_id} ({type(e).__name__}: {e}); is the hub reachable? "
+            "Otherwise pass a local model directory"
+        ) from e
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+
+
+def _dtype(precision: str) -> torch.dtype:
+    if precision not in _DTYPES:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[precision]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

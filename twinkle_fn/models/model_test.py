@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from twinkle_fn.models import FAMILIES, from_hf_config, from_pretrained, resolve_model_dir
+from twinkle_fn.testing import tiny_config
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_hf_config_builds_every_family(family):
+    model = from_hf_config(tiny_config(family), seed=0, device="cpu")
+    assert model.family == family and model.backend == "fsdp"
+    assert all(p.dtype == torch.float32 for p in model.module.parameters())
+
+
+def test_seed_makes_init_deterministic():
+    a = from_hf_config(tiny_config(), seed=1, device="cpu").module.state_dict()
+    b = from_hf_config(tiny_config(), seed=1, device="cpu").module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_dict_and_precision():
+    model = from_hf_config(
+        {"model_type": "llama", **tiny_config("llama").to_diff_dict()}, precision="bf16"
+    )
+    assert model.compute_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"config": {"hidden_size": 8}}, "no 'model_type'"),
+        ({"config": tiny_config(), "backend": "jax"}, "unknown backend 'jax'"),
+        ({"config": tiny_config(), "precision": "fp8"}, "unknown precision 'fp8'"),
+    ],
+)
+def test_bad_input_is_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        from_hf_config(**kwargs)
+
+
+def test_unknown_family_from_a_real_gpt2_config():
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"gpt2.*supports"):
+        from_hf_config(GPT2Config(n_layer=1, n_embd=8, n_head=2))
+
+
+def test_from_pretrained_round_trip(tmp_path):
+    model = from_hf_config(tiny_config(), seed=0, device="cpu")
+    model.module.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, device="cpu")
+    ids = torch.randint(0, 96, (1, 5))
+    torch.testing.assert_close(
+        loaded.module(input_ids=ids).logits, model.module(input_ids=ids).logits
+    )
+
+
+def test_resolve_model_dir_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"config\.json"):
+        resolve_model_dir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not download hf://org/missing"):
+        resolve_model_dir("hf://org/missing")
