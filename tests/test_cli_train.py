@@ -1,0 +1,79 @@
+"""`twinkle train` end to end on CPU: outputs, learning, and bad input."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from twinkle.cli import main
+
+SMALL = ["--steps", "40", "--batch-size", "16", "--num-samples", "400", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", *SMALL, "--output-dir", str(out)]) == 0
+    return out
+
+
+def test_writes_summary_plot_and_loadable_checkpoint(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["tokens_per_s"] > 0
+    png = (run_dir / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    ckpt = run_dir / "checkpoint"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = tok("What is 1 + 2?", return_tensors="pt").input_ids
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_heldout_loss_falls(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["heldout_loss_after"] < 0.6 * summary["heldout_loss_before"]
+
+
+def test_jsonl_text_and_messages_rows(tmp_path):
+    data = tmp_path / "d.jsonl"
+    rows = [{"text": f"row {i} says hello"} for i in range(20)]
+    rows += [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ] * 20
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["train", "--data", str(data), "--steps", "3", "--batch-size", "4", "--no-progress"]
+    assert main([*args, "--output-dir", str(tmp_path / "o")]) == 0
+
+
+def test_model_directory_is_reused(run_dir, tmp_path):
+    args = ["train", "--model", str(run_dir / "checkpoint"), "--steps", "3"]
+    args += ["--batch-size", "4", "--num-samples", "100", "--no-progress"]
+    assert main([*args, "--output-dir", str(tmp_path)]) == 0
+
+
+def test_bad_rows_are_named(tmp_path, capsys):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "ok"}\n{"prompt": "no field"}\n')
+    assert main(["train", "--data", str(data), "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and "messages" in err and "text" in err
+
+
+def test_non_numeric_lr_is_named(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--lr", "fast"])
+    assert "--lr" in capsys.readouterr().err
+
+
+def test_model_without_tokenizer_is_named(run_dir, tmp_path, capsys):
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")
+    model.save_pretrained(tmp_path / "m")
+    assert main(["train", "--model", str(tmp_path / "m"), "--output-dir", str(tmp_path)]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+
+
+def test_batch_larger_than_data_is_named(tmp_path, capsys):
+    args = ["train", "--num-samples", "20", "--batch-size", "64", "--output-dir", str(tmp_path)]
+    assert main(args) == 2
+    assert "--batch-size" in capsys.readouterr().err
