@@ -13,10 +13,11 @@ find_python() {
       command -v "$py"; return
     fi
   done
+  # pyenv's shims answer `command -v` even when the version is not selected: ask pyenv directly,
+  # preferring 3.12 (the version CI and the GPU machines run).
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare | grep -E '^3\.(1[2-9])(\.|$)' | sort -V -r); do
-      echo "$(pyenv root)/versions/$v/bin/python"; return
-    done
+    v=$(pyenv versions --bare | grep -E '^3\.1[2-9](\.[0-9]+)?$' | sort -V | head -n 1)
+    if [ -n "$v" ]; then echo "$(pyenv root)/versions/$v/bin/python"; return; fi
   fi
   echo "twinkle needs Python >= 3.12 (megatron-core >= 0.17 requires it); none found" >&2
   exit 1

@@ -19,7 +19,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"twinkle {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -105,9 +105,9 @@ def resolve_model_dir(model_id: str | os.PathLike[str]) -> Path:
     when a directory lacks ``config.json`` or a download fails (e.g. no hub is reachable).
     """
     text = os.fspath(model_id)
-    for prefix, fetch in (("hf://", _fetch_hf), ("ms://", _fetch_ms)):
-        if text.startswith(prefix):
-            return fetch(text.removeprefix(prefix))
+    for scheme in ("hf", "ms"):
+        if text.startswith(f"{scheme}://"):
+            return _download(scheme, text.removeprefix(f"{scheme}://"))
     path = Path(text)
     if not (path / "config.json").is_file():
         raise ValueError(
@@ -117,32 +117,25 @@ def resolve_model_dir(model_id: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _fetch_hf(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
+def _download(scheme: str, repo_id: str) -> Path:
+    """Fetch `repo_id` from the Hugging Face hub (``hf``) or ModelScope (``ms``)."""
     try:
-        return Path(snapshot_download(repo_id, etag_timeout=10))
-    except Exception as e:
-        raise ValueError(
-            f"could not download hf://{repo_id} ({type(e).__name__}: {e}); is the hub reachable? "
-            "Otherwise pass a local model directory"
-        ) from e
-
-
-def _fetch_ms(repo_id: str) -> Path:
-    try:
-        from modelscope import snapshot_download
+        if scheme == "hf":
+            from huggingface_hub import snapshot_download
+        else:
+            from modelscope import snapshot_download
     except ImportError as e:
         raise ValueError(
-            f"ms://{repo_id} needs the `modelscope` package; pip install modelscope, "
+            f"{scheme}://{repo_id} needs the `modelscope` package; pip install modelscope, "
             "or pass a local model directory"
         ) from e
+    kwargs = {"etag_timeout": 10} if scheme == "hf" else {}
     try:
-        return Path(snapshot_download(repo_id))
+        return Path(snapshot_download(repo_id, **kwargs))
     except Exception as e:
         raise ValueError(
-            f"could not download ms://{repo_id} ({type(e).__name__}: {e}); is the hub reachable? "
-            "Otherwise pass a local model directory"
+            f"could not download {scheme}://{repo_id} ({type(e).__name__}: {e}); is the hub "
+            "reachable? Otherwise pass a local model directory"
         ) from e
 
 

@@ -61,3 +61,11 @@ def test_resolve_model_dir_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="could not download hf://org/missing"):
         resolve_model_dir("hf://org/missing")
+
+
+def test_modelscope_ids_need_modelscope(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "modelscope", None)
+    with pytest.raises(ValueError, match="needs the `modelscope` package"):
+        resolve_model_dir("ms://org/name")
