@@ -1,0 +1,85 @@
+"""Run a function on N real processes joined by gloo: the multi-rank test harness.
+
+`spawn(fn, world_size, *args)` starts `world_size` processes, initialises torch.distributed in
+each (gloo, on a free loopback port) and returns the per-rank return values in rank order. A
+failure on any rank is re-raised in the caller with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_module
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0
+) -> list[Any]:
+    """Call ``fn(*args)`` on `world_size` gloo ranks; return the results in rank order.
+
+    `fn` must be importable by name (a module-level function) and its results picklable. Each
+    process sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    Raises ``RuntimeError`` carrying the first failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, queue, args), daemon=False)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            try:
+                rank, ok, value = queue.get(timeout=timeout_s)
+            except queue_module.Empty:
+                raise RuntimeError(
+                    f"no result from some of {world_size} ranks in {timeout_s}s"
+                ) from None
+            if not ok:
+                # The other ranks may be stuck in a collective waiting for this one: stop them.
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive() and len(results) < world_size:
+                p.kill()
+            p.join()
+    return [results[r] for r in range(world_size)]
+
+
+def _worker(fn, rank, world_size, port, queue, args) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        )
+        queue.put((rank, True, fn(*args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,27 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from twinkle_fn.testing_dist import spawn
+
+
+def _all_reduce_rank():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return dist.get_rank(), float(t)
+
+
+def _fail_on_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 would wait here for ever: the harness must stop it
+    return 0
+
+
+def test_spawn_runs_real_ranks_and_collects_in_order():
+    assert spawn(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
+
+
+def test_spawn_reraises_a_rank_failure():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed.*boom on purpose"):
+        spawn(_fail_on_one, 2)
