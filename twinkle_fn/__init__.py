@@ -11,7 +11,7 @@ Immutable train states (optree pytrees) and pure functions over them::
 """
 
 from twinkle_fn import checkpoint, data, losses, models, optim, pytree, schedules
-from twinkle_fn.api import evaluate, fwd_bwd, init, shard, step
+from twinkle_fn.api import evaluate, fwd_bwd, init, shard, step, unshard
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.sharding import ShardSpec, local_shard
 from twinkle_fn.state import DonatedError, Grads, TrainState
@@ -35,4 +35,5 @@ __all__ = [
     "schedules",
     "shard",
     "step",
+    "unshard",
 ]

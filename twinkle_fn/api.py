@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from twinkle_fn.backends import hf
+from twinkle_fn.backends import fsdp, hf
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
 from twinkle_fn.optim import GradientTransformation, apply_updates, current_lr
-from twinkle_fn.pytree import PyTree, tree_global_norm
+from twinkle_fn.optim.base import foreach_mul_
+from twinkle_fn.pytree import tree_global_norm, tree_leaves
 from twinkle_fn.state import Grads, TrainState
 
 
@@ -27,11 +28,15 @@ def init(
     """A fresh train state: the model's trainable parameters, ``tx.init`` of them, step 0.
 
     Trainable means ``requires_grad`` (frozen base weights under LoRA stay out of the state and
-    the optimizer). `mesh` defaults to one process; it must match the running world. Raises
-    ``ValueError`` when the model has no trainable parameter or the mesh does not fit the world.
+    the optimizer). `mesh` defaults to one process (on several ranks: a whole, unsharded copy
+    per rank); a larger mesh must match the world, and the model is first sharded over it, so
+    the optimizer state is born sharded like its parameters. Every rank must call this with the
+    same model weights. Raises ``ValueError`` when the model has no trainable parameter or the
+    mesh does not fit the world.
     """
     mesh = mesh or Mesh()
-    mesh.validate(_world_size())
+    if mesh.world_size > 1 and model.placement is None:
+        model = fsdp.parallelize(model, mesh)
     params = {n: p for n, p in model.module.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError("the model has no trainable parameter (every requires_grad is False)")
@@ -46,22 +51,38 @@ def init(
     )
 
 
-def shard(tree: PyTree, mesh: Mesh) -> PyTree:
-    """Place `tree` (a `TrainState` or a bare params pytree) on `mesh`.
+def shard(state: TrainState, mesh: Mesh) -> TrainState:
+    """`state` placed on `mesh`: parameters and optimizer state sharded by the family's plan.
 
-    On a one-process mesh every tensor is already whole and local, so `tree` is returned as it
-    is. Raises ``ValueError`` when the mesh does not match the running world, or when it spans
-    several ranks: multi-rank placement belongs to the FSDP/DTensor and Megatron backends, which
-    this build does not include.
+    On one process, or when `state` already lives on `mesh`, `state` is returned as it is.
+    Otherwise the state is donated: its module is sharded in place (TP plan, then FSDP2) and
+    each optimizer-state tensor is split exactly like its parameter. Every rank must call it
+    with the same full state. Raises ``ValueError`` when the mesh does not match the world, asks
+    for axes this backend lacks, or does not divide the model.
     """
-    mesh.validate(_world_size())
-    if mesh.world_size > 1:
+    state.check_alive()
+    if mesh.world_size == 1 or state.mesh == mesh:
+        return state
+    if state.model.placement is not None:
         raise ValueError(
-            f"shard: a mesh of {mesh.world_size} ranks needs a multi-rank backend "
-            "(FSDP2/DTensor or megatron-core), which this build does not include; "
-            "use Mesh() on one process"
+            f"this state is already sharded over {state.mesh}; to move it to {mesh}, save it "
+            "with tf.checkpoint.save and load it into a state initialised on the new mesh"
         )
-    return tree
+    full_opt, step, rng = tree_leaves(state.opt_state), state.step, state.rng
+    new = init(state.model, state.tx, mesh)
+    state.donate("shard")
+    for full, leaf in zip(full_opt, tree_leaves(new.opt_state), strict=True):
+        fsdp.copy_into_shard(leaf, full)
+    return new.replace(step=step.clone(), rng=rng.clone())
+
+
+def unshard(state: TrainState) -> dict[str, torch.Tensor]:
+    """The trainable parameters as whole tensors (a collective on several ranks: call it on all).
+
+    On one process these are detached views of the state's own tensors.
+    """
+    state.check_alive()
+    return fsdp.unshard(state.params)
 
 
 def fwd_bwd(
@@ -110,6 +131,11 @@ def step(
     """
     state.check_alive()
     grads.check_alive()
+    if not donate and state.model.placement is not None:
+        raise ValueError(
+            "step(donate=False) copies the state, but a sharded model computes with one set of "
+            "parameters; use donate=True (save a checkpoint to keep an earlier state)"
+        )
     return _update(_take(state, "step", donate), _take(grads, "step", donate))
 
 
@@ -123,22 +149,20 @@ def _take[T: (TrainState, Grads)](obj: T, by: str, donate: bool) -> T:
 
 
 def _update(state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
-    num_tokens = grads.num_tokens
+    # Each data-parallel rank saw its own tokens; every rank normalises by all of them.
+    placement = state.model.placement
+    num_tokens = fsdp.all_reduce_dp(grads.num_tokens, placement)
+    loss_sum = fsdp.all_reduce_dp(grads.loss_sum, placement)
     g = grads.params
-    torch._foreach_div_(list(g.values()), num_tokens.clamp(min=1).to(torch.float32))
+    foreach_mul_(list(g.values()), 1.0 / num_tokens.clamp(min=1).double())
     grad_norm = tree_global_norm(g)
     updates, opt_state = state.tx.update(g, state.opt_state, state.params)
     apply_updates(state.params, updates)
     new = state.replace(opt_state=opt_state, step=state.step + 1, rng=hf.next_key(state.rng))
     info = {
-        "loss": grads.loss_sum / num_tokens.clamp(min=1),
+        "loss": loss_sum / num_tokens.clamp(min=1),
         "grad_norm": grad_norm,
         "num_tokens": num_tokens,
         "lr": current_lr(opt_state),
     }
     return new, info
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -147,8 +147,10 @@ def test_every_family_trains_a_step(family):
 def test_shard_on_one_process_is_identity_and_refuses_bigger_meshes():
     state = _state()
     assert tf.shard(state, tf.Mesh()) is state
-    with pytest.raises(ValueError, match="ranks"):
+    with pytest.raises(ValueError, match="2 ranks but the world has 1"):
         tf.shard(state, tf.Mesh(dp=2))
+    with pytest.raises(ValueError, match="2 ranks but the world has 1"):
+        tf.init(_model(), tf.optim.adamw(1e-3), tf.Mesh(tp=2))
 
 
 def test_init_rejects_a_model_without_trainable_params():

@@ -49,7 +49,7 @@ def save(
     tmp.mkdir(parents=True)
     try:
         module = state.model.module
-        bind(module, state.params)
+        bind(module, state.params, sharded=state.model.placement is not None)
         module.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -122,7 +122,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
 def _load_weights(state: TrainState, path: Path) -> None:
     """Copy every saved tensor into the module parameter of the same name (state's params bound)."""
     module = state.model.module
-    bind(module, state.params)
+    bind(module, state.params, sharded=state.model.placement is not None)
     saved: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         saved.update(load_file(f))

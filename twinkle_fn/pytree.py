@@ -13,6 +13,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 PyTree = Any
 NAMESPACE = "twinkle"
@@ -79,16 +80,45 @@ def tree_clone(tree: PyTree) -> PyTree:
 
 
 def tree_global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
-    """The `norm_type`-norm of all leaves taken as one flat vector, as a float32 0-d tensor.
+    """The `norm_type`-norm of all leaves taken as one flat vector, as a 0-d tensor.
 
-    Uses ``torch._foreach_norm`` (one multi-tensor kernel per device and dtype) and stays on
-    device: no host synchronisation. Raises ``ValueError`` for a tree with no tensor leaves.
+    The result is float64 when any leaf is float64, else float32 (so float64 runs keep their
+    precision through gradient clipping).
+
+    Uses ``torch._foreach_norm`` (one multi-tensor kernel per group of tensors that share a type,
+    device and dtype) and stays on device: no host synchronisation. Sharded leaves (DTensors)
+    count each element once: their norms are reduced across the mesh (a collective); plain
+    leaves are taken as they are, so on several ranks they must be replicated. Raises
+    ``ValueError`` for a tree with no tensor leaves.
     """
     leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
     if not leaves:
         raise ValueError("tree_global_norm: the tree has no tensor leaves")
-    norms = torch._foreach_norm(leaves, norm_type)
-    stacked = torch.stack([n.float().to(leaves[0].device) for n in norms])
+    device = _local(leaves[0]).device
+    dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+    norms = []
+    for group in _groups(leaves):
+        for n in torch._foreach_norm(group, norm_type):
+            norms.append(_full(n).to(device=device, dtype=dtype))
+    stacked = torch.stack(norms)
     if norm_type == float("inf"):
         return stacked.max()
     return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def _groups(leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`leaves` split so each ``_foreach`` call sees one tensor type, device mesh, device, dtype."""
+    groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for t in leaves:
+        key = (type(t), getattr(t, "device_mesh", None), t.device, t.dtype)
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value as a plain tensor (a collective); a plain tensor as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

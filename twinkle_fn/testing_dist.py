@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_module
 import socket
 import traceback
@@ -27,7 +28,7 @@ def free_port() -> int:
 
 
 def spawn(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180.0
 ) -> list[Any]:
     """Call ``fn(*args)`` on `world_size` gloo ranks; return the results in rank order.
 
@@ -56,7 +57,7 @@ def spawn(
             if not ok:
                 # The other ranks may be stuck in a collective waiting for this one: stop them.
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             if p.is_alive() and len(results) < world_size:
@@ -77,7 +78,8 @@ def _worker(fn, rank, world_size, port, queue, args) -> None:
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
         )
-        queue.put((rank, True, fn(*args)))
+        # Pickle here, not in the queue's feeder thread, where an error would be lost.
+        queue.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:

@@ -2,7 +2,7 @@
 
 The module computes with the state's own parameter tensors: `bind` points the module at them (a
 pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The loss is
-the fused linear + cross-entropy over the final hidden states, so full ``[tokens, vocab]`` logits
+the fused linear + cross-entropy of the model's `FusedLMHead`, so full ``[tokens, vocab]`` logits
 are never built.
 """
 
@@ -13,26 +13,36 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
-from twinkle_fn.losses import LossOutput, fused_linear_cross_entropy_sum
+from twinkle_fn.losses import LossOutput
+from twinkle_fn.models.lm_head import loss_mode
 from twinkle_fn.state import Grads, TrainState
 
 _LCG_MUL = 6364136223846793005
 _LCG_INC = 1442695040888963407
 
 
-def bind(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+def bind(module: torch.nn.Module, params: Mapping[str, torch.Tensor], sharded: bool) -> None:
     """Make `module`'s parameters named in `params` be exactly those tensor objects.
 
-    Raises ``KeyError`` naming a parameter the module does not have.
+    A `sharded` module (FSDP2/DTensor) keeps references to its own parameters in its hooks, so
+    there the state must hold those very tensors. Raises ``KeyError`` naming a parameter the
+    module does not have, and ``ValueError`` when a sharded module is asked to rebind.
     """
     for name, tensor in params.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         if leaf not in owner._parameters:
             raise KeyError(f"the module has no parameter {name!r}")
-        if owner._parameters[leaf] is not tensor:
-            owner._parameters[leaf] = tensor
+        if owner._parameters[leaf] is tensor:
+            continue
+        if sharded:
+            raise ValueError(
+                f"parameter {name!r} of this state is not the sharded module's own tensor (a copy "
+                "made with donate=False?); a sharded model computes in place: use donate=True"
+            )
+        owner._parameters[leaf] = tensor
 
 
 def model_inputs(
@@ -57,24 +67,24 @@ def model_inputs(
 
 
 def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-    """Token-summed causal-LM loss of `batch` under `state` (differentiable w.r.t. its params)."""
+    """Token-summed causal-LM loss of `batch` under `state` (differentiable w.r.t. its params).
+
+    Runs the module's own forward with its `FusedLMHead` in loss mode, so the head returns the
+    CE sum instead of logits.
+    """
     model = state.model
     module = model.module
-    bind(module, state.params)
+    bind(module, state.params, sharded=model.placement is not None)
     device = model.device
+    labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
     autocast = (
         torch.autocast(device.type, dtype=model.compute_dtype)
         if model.compute_dtype != torch.float32
         else contextlib.nullcontext()
     )
-    with autocast:
-        hidden = module.get_decoder()(**model_inputs(batch, device)).last_hidden_state  # [B, T, H]
-    head = module.get_output_embeddings()
-    # Under autocast the head runs in the compute dtype, like every other matmul of the forward.
-    weight = head.weight.to(hidden.dtype)
-    bias = None if head.bias is None else head.bias.to(hidden.dtype)
-    labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
-    return fused_linear_cross_entropy_sum(hidden, weight, labels, bias=bias)
+    with autocast, loss_mode(module.get_output_embeddings(), labels):
+        loss_sum = module(**model_inputs(batch, device), use_cache=False).logits
+    return LossOutput(loss_sum, (labels != IGNORE_INDEX).sum())
 
 
 def fwd_bwd(

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from twinkle_fn.models.families import family_of
+from twinkle_fn.models.lm_head import fuse_lm_head
 
 BACKENDS: tuple[str, ...] = ("fsdp",)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -28,13 +29,15 @@ class Model:
     ``module``: the transformers model (parameters in ``param_dtype``, usually float32 master
     weights). ``family``: its ``model_type``. ``backend``: ``"fsdp"`` (the transformers backend,
     which on one process runs the module as is). ``compute_dtype``: the autocast dtype of the
-    forward pass (``torch.float32`` means no autocast).
+    forward pass (``torch.float32`` means no autocast). ``placement``: None on one process,
+    else the backend's description of the mesh the module is sharded over.
     """
 
     module: torch.nn.Module
     family: str
     backend: str = "fsdp"
     compute_dtype: torch.dtype = torch.float32
+    placement: Any = None  # set by a multi-rank backend: where the module's shards live
 
     @property
     def config(self) -> PretrainedConfig:
@@ -72,6 +75,7 @@ def from_hf_config(
     if seed is not None:
         torch.manual_seed(seed)
     module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fuse_lm_head(module)
     return Model(module.to(device or _default_device()), family, backend, compute_dtype)
 
 
@@ -94,6 +98,7 @@ def from_pretrained(
     _check_backend(backend)
     compute_dtype = _dtype(precision)
     module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    fuse_lm_head(module)
     return Model(module.to(device or _default_device()), family, backend, compute_dtype)
 
 

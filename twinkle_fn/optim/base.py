@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from twinkle_fn.pytree import PyTree, tree_leaves, tree_structure
 
@@ -130,15 +131,30 @@ def tensor_leaves_like(tree: PyTree, reference: PyTree, name: str) -> list[torch
 
 
 def foreach_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Indices of `tensors` grouped by (device, dtype), each group in input order.
+    """Indices of `tensors` grouped by (type, device mesh, device, dtype), each in input order.
 
     ``torch._foreach_*`` kernels run as one fused launch only over tensors that share a device and
-    a dtype; mixed lists silently fall back to a per-tensor loop.
+    a dtype (mixed lists silently fall back to a per-tensor loop), and a list may not mix
+    DTensors of different meshes with each other or with plain tensors.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
+        key = (type(t), getattr(t, "device_mesh", None), t.device, t.dtype)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+@torch.no_grad()
+def foreach_mul_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-d tensor `scale`, with no host sync.
+
+    Sharded tensors (DTensors) are scaled through their local shards: scaling is elementwise, so
+    it commutes with any placement, and DTensor rejects a plain-tensor operand.
+    """
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    for idx in foreach_groups(local):
+        group = [local[i] for i in idx]
+        torch._foreach_mul_(group, scale.to(device=group[0].device, dtype=group[0].dtype))
 
 
 def check_nonnegative(name: str, value: Any, *, below_one: bool = False) -> float:

@@ -10,7 +10,7 @@ from twinkle_fn.optim.base import (
     Params,
     Updates,
     check_nonnegative,
-    foreach_groups,
+    foreach_mul_,
     tensor_leaves_like,
 )
 from twinkle_fn.pytree import tree_global_norm
@@ -39,10 +39,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         leaves = tensor_leaves_like(updates, updates, "updates")
         norm = tree_global_norm(updates)
         scale = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
-        with torch.no_grad():
-            for idx in foreach_groups(leaves):
-                group = [leaves[i] for i in idx]
-                torch._foreach_mul_(group, scale.to(group[0].device))
+        foreach_mul_(leaves, scale)
         return updates, state
 
     return GradientTransformation(init, update)

@@ -1,0 +1,131 @@
+"""Placing a transformers model on a mesh with PyTorch's own primitives.
+
+Tensor parallelism is DTensor's ``parallelize_module`` with the family's plan
+(`twinkle_fn.models.plans`); data parallelism is FSDP2's ``fully_shard`` per decoder layer and at
+the root, over the ``fsdp`` axis, replicated over ``dp`` (HSDP when both are > 1; plain DDP-like
+replication when only dp is). Gradients are reduced as *sums* (divide factor 1): the core
+normalises once by the global token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from twinkle_fn.distributed import world_size
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.model import Model
+from twinkle_fn.models.plans import COLWISE, tp_plan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+    """Where a model lives: the torch device mesh and the data-parallel process group."""
+
+    mesh: Mesh
+    device_mesh: DeviceMesh
+    dp_group: dist.ProcessGroup | None  # all ranks holding different data (dp x fsdp)
+
+
+def device_mesh(mesh: Mesh) -> DeviceMesh:
+    """The torch ``DeviceMesh`` of `mesh` with dims ``("dp", "fsdp", "tp")`` in our rank order.
+
+    Raises ``ValueError`` for pp, cp or ep > 1 (those belong to the Megatron backend) and when
+    the mesh does not match the world.
+    """
+    if mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
+        raise ValueError(
+            f"the fsdp backend parallelises over dp, fsdp and tp; {mesh} asks for pp/cp/ep, "
+            "which the megatron backend provides"
+        )
+    mesh.validate(world_size())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(
+        device, (mesh.dp, mesh.fsdp, mesh.tp), mesh_dim_names=("dp", "fsdp", "tp")
+    )
+
+
+def parallelize(model: Model, mesh: Mesh, *, activation_checkpointing: bool = False) -> Model:
+    """Shard `model`'s module in place over `mesh`; returns the model with its placement.
+
+    Its parameters become DTensors (new parameter objects: read them from the module again).
+    `activation_checkpointing` recomputes each decoder layer in backward. Raises ``ValueError``
+    when tp does not divide the model's heads or features, or for meshes the backend lacks.
+    """
+    module = model.module
+    dm = device_mesh(mesh)
+    layers = module.get_decoder().layers
+    if activation_checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mesh.tp > 1:
+        plan = tp_plan(module.config, mesh.tp)
+        styles = {
+            s: ColwiseParallel() if v == COLWISE else RowwiseParallel() for s, v in plan.items()
+        }
+        for layer in layers:
+            parallelize_module(layer, dm["tp"], styles)
+    if mesh.data_world_size > 1:
+        data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
+        mp = _mixed_precision(model.compute_dtype)
+        for layer in layers:
+            fully_shard(layer, mesh=data_mesh, mp_policy=mp)
+        fully_shard(module, mesh=data_mesh, mp_policy=mp)
+        for m in module.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+    placement = Placement(mesh, dm, _dp_group(mesh))
+    return dataclasses.replace(model, placement=placement)
+
+
+def all_reduce_dp(t: torch.Tensor, placement: Placement | None) -> torch.Tensor:
+    """Sum `t` over the data-parallel ranks (a new tensor; `t` itself on one data rank)."""
+    if placement is None or placement.dp_group is None:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, group=placement.dp_group)
+    return t
+
+
+@torch.no_grad()
+def copy_into_shard(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Fill `dst` (a shard, or a whole tensor) with its part of the whole tensor `full`.
+
+    Each rank cuts its own piece from its copy of `full` (no communication).
+    """
+    if not isinstance(dst, DTensor):
+        dst.copy_(full)
+        return
+    src = distribute_tensor(
+        full.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None
+    )
+    dst.to_local().copy_(src.to_local())
+
+
+@torch.no_grad()
+def unshard(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors from sharded ones (``full_tensor``, a collective every rank must call)."""
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in params.items()}
+
+
+def _dp_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    if mesh.data_world_size == 1:
+        return None
+    mine = None
+    # new_group is collective over the world: every rank creates every group, in the same order.
+    for ranks in mesh.group_ranks("dp_total"):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _mixed_precision(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

@@ -1,0 +1,59 @@
+"""`FusedLMHead`: an ``nn.Linear`` lm_head that can return the token-summed loss instead of logits.
+
+Training calls the causal LM's own ``forward`` (so wrappers such as FSDP2 see the root forward and
+the head's forward, and gather, reshard and reduce their parameters as usual) while the head,
+given the labels, computes the chunked fused linear + cross-entropy and never builds the
+``[tokens, vocab]`` logits. Without labels it is a plain ``nn.Linear``: generation and
+``save_pretrained`` see no difference, and the parameter names stay ``lm_head.weight``/``bias``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from twinkle_fn.losses import fused_linear_cross_entropy_sum
+
+
+class FusedLMHead(torch.nn.Linear):
+    """A linear head whose forward, inside `loss_mode`, returns ``loss_sum`` (0-d float32)."""
+
+    _labels: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[..., vocab]``, or inside `loss_mode` the CE sum over the labelled tokens.
+
+        `hidden` is ``[batch, seq, hidden]``; the labels (``[batch, seq]``, already shifted) come
+        from `loss_mode`. The loss runs outside autocast, in the dtype `hidden` arrives in.
+        """
+        if self._labels is None:
+            return super().forward(hidden)
+        weight = self.weight.to(hidden.dtype)
+        bias = None if self.bias is None else self.bias.to(hidden.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return fused_linear_cross_entropy_sum(hidden, weight, self._labels, bias=bias).loss_sum
+
+
+def fuse_lm_head(module: torch.nn.Module) -> FusedLMHead:
+    """Turn `module`'s output embedding (an ``nn.Linear``) into a `FusedLMHead`, in place.
+
+    The parameters stay the same objects (tied embeddings stay tied). Raises ``TypeError`` when
+    the output embedding is not an ``nn.Linear``.
+    """
+    head = module.get_output_embeddings()
+    if type(head) is not torch.nn.Linear and not isinstance(head, FusedLMHead):
+        raise TypeError(f"the lm_head is a {type(head).__name__}; twinkle needs an nn.Linear")
+    head.__class__ = FusedLMHead
+    return head
+
+
+@contextlib.contextmanager
+def loss_mode(head: FusedLMHead, labels: torch.Tensor) -> Iterator[None]:
+    """Within the block, `head` returns the CE sum of its input against `labels`."""
+    head._labels = labels
+    try:
+        yield
+    finally:
+        head._labels = None

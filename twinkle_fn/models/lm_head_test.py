@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from twinkle_fn.losses import cross_entropy_sum
+from twinkle_fn.models import from_hf_config
+from twinkle_fn.models.lm_head import FusedLMHead, fuse_lm_head, loss_mode
+from twinkle_fn.testing import tiny_config
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_is_a_linear_until_loss_mode(tied):
+    module = from_hf_config(tiny_config(tie_word_embeddings=tied), seed=0).module
+    head = module.get_output_embeddings()
+    assert isinstance(head, FusedLMHead) and isinstance(head, torch.nn.Linear)
+    assert (head.weight is module.get_input_embeddings().weight) == tied
+    ids = torch.randint(0, 96, (2, 6))
+    labels = torch.randint(0, 96, (2, 6))
+    labels[0, :2] = -100
+    logits = module(input_ids=ids).logits
+    assert logits.shape == (2, 6, 96)
+    with loss_mode(head, labels):
+        loss_sum = module(input_ids=ids).logits
+    torch.testing.assert_close(loss_sum, cross_entropy_sum(logits, labels).loss_sum)
+    assert head._labels is None
+
+
+def test_fuse_refuses_a_non_linear_head():
+    module = from_hf_config(tiny_config(), seed=0).module
+    module.lm_head = torch.nn.Sequential(torch.nn.Linear(32, 96))
+    with pytest.raises(TypeError, match="Sequential"):
+        fuse_lm_head(module)
