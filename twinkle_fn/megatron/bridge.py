@@ -1,0 +1,697 @@
+"""The HF <-> megatron-core weight bridge, as data: one table of `Rule` rows per model family.
+
+A rule names HF tensors (the on-disk checkpoint names that ``from_pretrained`` loads, e.g.
+per-expert ``mlp.experts.{expert}.gate_proj.weight`` for Qwen3-MoE), the megatron-core tensor
+they become (the names of megatron-core's GPT layer spec), the transform between them and the dim
+that tensor parallelism splits. Two functions interpret the tables:
+
+- `hf_to_mcore` builds one rank's local state, reading only that rank's slices when the source
+  supports partial reads (`SliceSource`, e.g. `twinkle_fn.megatron.safetensors_io.SafetensorsReader`);
+- `mcore_to_hf` streams full HF tensors from every rank's local state, layer by layer, and
+  `export_buckets` groups that stream into size-bounded lists for saving or for an inference
+  engine.
+
+Layout conventions (megatron-core's): decoder layers are numbered locally per pipeline stage,
+stage ``s`` holding global layers ``[s * L / pp, (s + 1) * L / pp)``; the embedding lives on the
+first stage, the final norm and output layer on the last. With tied embeddings megatron-core
+keeps a copy of the embedding as ``output_layer.weight`` on the last stage when ``pp > 1``: it
+is imported there and never exported. Experts are numbered locally per expert-parallel rank
+(global expert ``= ep_rank * E / ep + j``) and split within an expert over the expert-tensor-
+parallel size ``etp`` (twinkle's `Mesh` default is 1; megatron-core's own default is the TP size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import PretrainedConfig
+
+from twinkle_fn.megatron.bridge_transforms import (
+    even_range,
+    fuse_gate_up,
+    fuse_qkv,
+    pad_vocab,
+    padded_vocab_size,
+    split_gate_up,
+    split_qkv,
+    tp_unshard,
+    unpad_vocab,
+)
+from twinkle_fn.models.families import family_of
+
+TRANSFORMS: dict[str, int] = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
+STAGES = ("first", "layer", "last")
+LAYER_KINDS = ("all", "dense", "moe")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a family's table: HF tensors `hf` <-> megatron-core tensor `mcore`.
+
+    `hf` and `mcore` are patterns with ``{layer}`` (global index in `hf`, stage-local in
+    `mcore`) and ``{expert}`` (global in `hf`, local to the expert-parallel rank in `mcore`).
+    `transform` is one of `TRANSFORMS` ('copy', 'vocab': pad to megatron's vocabulary, 'qkv':
+    fuse per query group, 'gate_up': fuse per TP rank); `tp_dim` is the dim of the megatron
+    tensor that tensor parallelism splits (expert tensors: expert tensor parallelism), ``None``
+    when replicated. `stage` places the tensor on the first pipeline stage, in every layer, or
+    on the last stage; `layers` restricts a layer rule to dense or MoE layers; a `tied` rule
+    is the last stage's copy of a tied embedding (imported, never exported). Raises
+    ``ValueError`` for an unknown transform, stage or layer kind, or a wrong number of names.
+    """
+
+    hf: tuple[str, ...]
+    mcore: str
+    transform: str
+    tp_dim: int | None
+    stage: str = "layer"
+    layers: str = "all"
+    tied: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"Rule transform {self.transform!r} is not one of {list(TRANSFORMS)}")
+        if len(self.hf) != TRANSFORMS[self.transform]:
+            raise ValueError(
+                f"Rule for {self.mcore!r}: transform {self.transform!r} takes "
+                f"{TRANSFORMS[self.transform]} HF names, got {len(self.hf)}"
+            )
+        if self.stage not in STAGES:
+            raise ValueError(f"Rule stage {self.stage!r} is not one of {STAGES}")
+        if self.layers not in LAYER_KINDS:
+            raise ValueError(f"Rule layers {self.layers!r} is not one of {LAYER_KINDS}")
+        if self.transform != "copy" and self.tp_dim != 0:
+            raise ValueError(f"Rule for {self.mcore!r}: {self.transform!r} splits dim 0 over tp")
+
+    @property
+    def expert(self) -> bool:
+        """Whether the tensor belongs to one routed expert (split over ep, then etp)."""
+        return "{expert}" in self.mcore
+
+
+_L, _M = "model.layers.{layer}.", "decoder.layers.{layer}."
+_HF_EXPERT, _MC_EXPERT = _L + "mlp.experts.{expert}.", _M + "mlp.experts.local_experts.{expert}."
+
+
+def _qkv(suffix: str) -> tuple[str, ...]:
+    return tuple(f"{_L}self_attn.{p}_proj.{suffix}" for p in "qkv")
+
+
+EMBEDDING = Rule(
+    ("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "vocab", 0, stage="first"
+)
+INPUT_NORM = Rule((_L + "input_layernorm.weight",), _M + "input_layernorm.weight", "copy", None)
+QKV = Rule(_qkv("weight"), _M + "self_attention.linear_qkv.weight", "qkv", 0)
+QKV_BIAS = Rule(_qkv("bias"), _M + "self_attention.linear_qkv.bias", "qkv", 0)
+QK_NORM = (
+    Rule((_L + "self_attn.q_norm.weight",), _M + "self_attention.q_layernorm.weight", "copy", None),
+    Rule((_L + "self_attn.k_norm.weight",), _M + "self_attention.k_layernorm.weight", "copy", None),
+)
+O_PROJ = Rule(
+    (_L + "self_attn.o_proj.weight",), _M + "self_attention.linear_proj.weight", "copy", 1
+)
+O_BIAS = Rule((_L + "self_attn.o_proj.bias",), _M + "self_attention.linear_proj.bias", "copy", None)
+POST_ATTN_NORM = Rule(
+    (_L + "post_attention_layernorm.weight",), _M + "pre_mlp_layernorm.weight", "copy", None
+)
+MLP = (
+    Rule(
+        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+        _M + "mlp.linear_fc1.weight",
+        "gate_up",
+        0,
+        layers="dense",
+    ),
+    Rule((_L + "mlp.down_proj.weight",), _M + "mlp.linear_fc2.weight", "copy", 1, layers="dense"),
+)
+MLP_BIAS = (
+    Rule(
+        (_L + "mlp.gate_proj.bias", _L + "mlp.up_proj.bias"),
+        _M + "mlp.linear_fc1.bias",
+        "gate_up",
+        0,
+        layers="dense",
+    ),
+    Rule((_L + "mlp.down_proj.bias",), _M + "mlp.linear_fc2.bias", "copy", None, layers="dense"),
+)
+MOE = (
+    Rule((_L + "mlp.gate.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
+    Rule(
+        (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
+        _MC_EXPERT + "linear_fc1.weight",
+        "gate_up",
+        0,
+        layers="moe",
+    ),
+    Rule(
+        (_HF_EXPERT + "down_proj.weight",),
+        _MC_EXPERT + "linear_fc2.weight",
+        "copy",
+        1,
+        layers="moe",
+    ),
+)
+FINAL_NORM = Rule(
+    ("model.norm.weight",), "decoder.final_layernorm.weight", "copy", None, stage="last"
+)
+LM_HEAD = Rule(("lm_head.weight",), "output_layer.weight", "vocab", 0, stage="last")
+TIED_LM_HEAD = Rule(
+    ("model.embed_tokens.weight",), "output_layer.weight", "vocab", 0, stage="last", tied=True
+)
+
+
+@dataclass(frozen=True)
+class _Family:
+    # A bias is always on (True), always off (False), or switched by the named HF config flag.
+    qkv_bias: bool | str
+    o_bias: bool | str
+    mlp_bias: bool | str
+    qk_norm: bool
+    moe: bool
+
+
+_FAMILY_TABLE: dict[str, _Family] = {
+    "llama": _Family("attention_bias", "attention_bias", "mlp_bias", qk_norm=False, moe=False),
+    "mistral": _Family(False, False, False, qk_norm=False, moe=False),
+    "qwen2": _Family(True, False, False, qk_norm=False, moe=False),
+    "qwen3": _Family("attention_bias", "attention_bias", False, qk_norm=True, moe=False),
+    "qwen3_moe": _Family("attention_bias", "attention_bias", False, qk_norm=True, moe=True),
+}
+
+
+def _family(hf_config: PretrainedConfig) -> _Family:
+    family = family_of(hf_config)
+    if family not in _FAMILY_TABLE:
+        raise ValueError(
+            f"model family {family!r} has no Megatron bridge; bridged families: "
+            f"{', '.join(_FAMILY_TABLE)}"
+        )
+    return _FAMILY_TABLE[family]
+
+
+def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
+    """The bridge table of `hf_config`'s family, in HF checkpoint order.
+
+    Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the config.
+    Raises ``ValueError`` for a family without a bridge (naming the bridged ones).
+    """
+    fam = _family(hf_config)
+
+    def on(flag: bool | str) -> bool:
+        return flag if isinstance(flag, bool) else bool(getattr(hf_config, flag, False))
+
+    rules = [EMBEDDING, INPUT_NORM, QKV]
+    rules += [QKV_BIAS] if on(fam.qkv_bias) else []
+    rules += QK_NORM if fam.qk_norm else ()
+    rules += [O_PROJ]
+    rules += [O_BIAS] if on(fam.o_bias) else []
+    rules += [POST_ATTN_NORM, *MLP]
+    rules += MLP_BIAS if on(fam.mlp_bias) else ()
+    rules += MOE if fam.moe else ()
+    rules += [FINAL_NORM, TIED_LM_HEAD if hf_config.tie_word_embeddings else LM_HEAD]
+    return rules
+
+
+def moe_layers(hf_config: PretrainedConfig) -> tuple[bool, ...]:
+    """Per global layer, whether it is a routed-MoE layer (transformers' Qwen3-MoE rule).
+
+    A layer is MoE unless it is in ``mlp_only_layers``, when ``num_experts > 0`` and
+    ``(layer + 1) % decoder_sparse_step == 0``. Dense families give all ``False``. Raises
+    ``ValueError`` for a family without a bridge.
+    """
+    layers = hf_config.num_hidden_layers
+    if not _family(hf_config).moe:
+        return (False,) * layers
+    only = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    experts = hf_config.num_experts
+    return tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+
+
+@dataclass(frozen=True)
+class _Model:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    ffn: int
+    moe_ffn: int
+    experts: int
+    moe: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    vocab_multiple: int
+
+
+def _model(hf_config: PretrainedConfig) -> _Model:
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    moe = moe_layers(hf_config)
+    return _Model(
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=hf_config.vocab_size,
+        layers=hf_config.num_hidden_layers,
+        ffn=hf_config.intermediate_size,
+        moe_ffn=getattr(hf_config, "moe_intermediate_size", 0) if any(moe) else 0,
+        experts=getattr(hf_config, "num_experts", 0) if any(moe) else 0,
+        moe=moe,
+    )
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _rank(name: str, rank: int, size: int) -> None:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+        raise ValueError(f"{name}={rank!r} is out of range; use 0 <= {name} < {size}")
+
+
+def _check_layout(model: _Model, lay: _Layout) -> None:
+    _positive(
+        tp_size=lay.tp,
+        pp_size=lay.pp,
+        ep_size=lay.ep,
+        etp_size=lay.etp,
+        vocab_multiple=lay.vocab_multiple,
+    )
+    heads, kv, tp = model.heads, model.kv_heads, lay.tp
+    if heads % kv:
+        raise ValueError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+        )
+    if kv >= tp and kv % tp:
+        raise ValueError(
+            f"tp_size={tp} does not divide num_key_value_heads={kv}; megatron-core splits whole "
+            "query groups over tensor parallelism. Use a tp_size that divides it."
+        )
+    if kv < tp and (tp % kv or heads % tp or (kv * (heads // kv + 2) * model.head_dim) % tp):
+        raise ValueError(
+            f"tp_size={tp} exceeds num_key_value_heads={kv}, so megatron-core replicates kv heads: "
+            f"that needs num_key_value_heads to divide tp_size and tp_size to divide "
+            f"num_attention_heads={heads} and the fused qkv rows. Use a smaller tp_size."
+        )
+    if not all(model.moe) and model.ffn % tp:
+        raise ValueError(
+            f"tp_size={tp} does not divide intermediate_size={model.ffn}; use a tp_size that does"
+        )
+    if any(model.moe):
+        if model.experts % lay.ep:
+            raise ValueError(
+                f"ep_size={lay.ep} does not divide num_experts={model.experts}; use one that does"
+            )
+        if model.moe_ffn % lay.etp:
+            raise ValueError(
+                f"etp_size={lay.etp} does not divide moe_intermediate_size={model.moe_ffn}"
+            )
+    if model.layers % lay.pp:
+        raise ValueError(
+            f"pp_size={lay.pp} does not divide num_hidden_layers={model.layers}; the bridge "
+            "places an equal number of layers on each pipeline stage"
+        )
+
+
+@dataclass(frozen=True)
+class _Slot:
+    rule: Rule
+    hf: tuple[str, ...]
+    mcore: str
+    pp_rank: int
+    ep_rank: int
+
+
+def _slots(
+    rules: Sequence[Rule], model: _Model, lay: _Layout, pp_rank: int, ep_ranks: Iterable[int]
+) -> Iterator[_Slot]:
+    # The tensors of pipeline stage `pp_rank` (and of the expert-parallel ranks `ep_ranks`), in
+    # HF order: embedding, then layer by layer, then the final norm and output layer.
+    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    per_stage, local_experts = model.layers // lay.pp, model.experts // lay.ep
+    ep_ranks = tuple(ep_ranks)
+    if first:
+        for rule in rules:
+            if rule.stage == "first":
+                yield _Slot(rule, rule.hf, rule.mcore, pp_rank, 0)
+    for local in range(per_stage):
+        layer = pp_rank * per_stage + local
+        kind = "moe" if model.moe[layer] else "dense"
+        for rule in rules:
+            if rule.stage != "layer" or rule.layers not in ("all", kind):
+                continue
+            if not rule.expert:
+                hf = tuple(p.format(layer=layer) for p in rule.hf)
+                yield _Slot(rule, hf, rule.mcore.format(layer=local), pp_rank, 0)
+                continue
+            for ep_rank in ep_ranks:
+                for j in range(local_experts):
+                    expert = ep_rank * local_experts + j
+                    hf = tuple(p.format(layer=layer, expert=expert) for p in rule.hf)
+                    yield _Slot(
+                        rule, hf, rule.mcore.format(layer=local, expert=j), pp_rank, ep_rank
+                    )
+    if last:
+        for rule in rules:
+            if rule.stage == "last" and not (rule.tied and first):
+                yield _Slot(rule, rule.hf, rule.mcore, pp_rank, 0)
+
+
+@runtime_checkable
+class SliceSource(Protocol):
+    """A source of HF tensors that can read part of a tensor (e.g. `SafetensorsReader`)."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of `name`; ``KeyError`` if absent."""
+        ...
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`; ``KeyError`` if absent."""
+        ...
+
+    def get_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices ``[start, stop)`` of `name` along `dim`."""
+        ...
+
+
+class _TensorSource:
+    """A `SliceSource` over whole tensors: a mapping or a getter, called once per tensor read."""
+
+    def __init__(self, lookup: Callable[[str], torch.Tensor]) -> None:
+        self._lookup = lookup
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def get(self, name: str) -> torch.Tensor:
+        # Reading a tensor asks for its shape, then its rows: keep the last one for the second call.
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self._lookup(name).detach())
+        return self._last[1]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.get(name).shape)
+
+    def get_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.get(name).narrow(dim, start, stop - start)
+
+
+HFState = Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor] | SliceSource
+
+
+def _source(hf_state: HFState) -> SliceSource:
+    if isinstance(hf_state, SliceSource):
+        return hf_state
+    if isinstance(hf_state, Mapping):
+        return _TensorSource(hf_state.__getitem__)
+    if callable(hf_state):
+        return _TensorSource(hf_state)
+    raise TypeError(
+        f"hf_state is a {type(hf_state).__name__}; pass a mapping of HF names to tensors, a "
+        "getter name -> tensor, or a SafetensorsReader"
+    )
+
+
+def _missing(name: str) -> ValueError:
+    hint = ""
+    if ".mlp.experts." in name:
+        hint = (
+            " The bridge reads checkpoint (on-disk) names with one tensor per expert; an in-memory"
+            " transformers state_dict fuses experts into mlp.experts.gate_up_proj: save it with"
+            " save_pretrained and read it with SafetensorsReader."
+        )
+    return ValueError(f"HF tensor {name!r} is missing from hf_state.{hint}")
+
+
+def _shape(src: SliceSource, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(src.shape(name))
+    except KeyError:
+        raise _missing(name) from None
+
+
+def _length(src: SliceSource, name: str, dim: int, expect: int | None = None) -> int:
+    shape = _shape(src, name)
+    if dim >= len(shape):
+        raise ValueError(f"HF tensor {name!r} has shape {list(shape)}, which has no dim {dim}")
+    if expect is not None and shape[dim] != expect:
+        raise ValueError(
+            f"HF tensor {name!r} has shape {list(shape)}; expected {expect} along dim {dim} "
+            "(from the config and the tensors fused with it). Check that config and weights match."
+        )
+    return shape[dim]
+
+
+def _span(name: str, n: int, rank: int, size: int) -> tuple[int, int]:
+    try:
+        return even_range(n, rank, size)
+    except ValueError as err:
+        raise ValueError(
+            f"cannot split {name!r} over {size} tensor-parallel ranks: {err}"
+        ) from None
+
+
+def _import_qkv(src: SliceSource, slot: _Slot, model: _Model, rank: int, size: int) -> torch.Tensor:
+    # A rank's rows of the fused tensor cover whole query groups (or, with fewer kv heads than
+    # ranks, part of one group): read the q/k/v rows of the groups it touches, fuse, then cut.
+    hd, kv = model.head_dim, model.kv_heads
+    per = model.heads // kv
+    group = (per + 2) * hd
+    start, stop = _span(slot.mcore, kv * group, rank, size)
+    g0, g1 = start // group, -(-stop // group)
+    parts = []
+    for name, heads_per_group in zip(slot.hf, (per, 1, 1), strict=True):
+        rows = heads_per_group * hd
+        _length(src, name, 0, kv * rows)
+        parts.append(src.get_rows(name, 0, g0 * rows, g1 * rows))
+    fused = fuse_qkv(*parts, (g1 - g0) * per, g1 - g0, hd)
+    lo, hi = start - g0 * group, stop - g0 * group
+    return fused if (lo, hi) == (0, fused.shape[0]) else fused[lo:hi].clone()
+
+
+def _import(
+    src: SliceSource, slot: _Slot, model: _Model, lay: _Layout, tp_rank: int, etp_rank: int
+) -> torch.Tensor:
+    rule = slot.rule
+    rank, size = (etp_rank, lay.etp) if rule.expert else (tp_rank, lay.tp)
+    if rule.transform == "qkv":
+        return _import_qkv(src, slot, model, rank, size)
+    if rule.transform == "gate_up":
+        gate, up = slot.hf
+        n = _length(src, gate, 0)
+        start, stop = _span(gate, n, rank, size)
+        gate_rows = src.get_rows(gate, 0, start, stop)
+        _length(src, up, 0, n)
+        return fuse_gate_up(gate_rows, src.get_rows(up, 0, start, stop))
+    (name,) = slot.hf
+    if rule.transform == "vocab":
+        vocab = _length(src, name, 0, model.vocab)
+        padded = padded_vocab_size(vocab, lay.tp, lay.vocab_multiple)
+        start, stop = _span(name, padded, rank, size)
+        rows = src.get_rows(name, 0, min(start, vocab), min(stop, vocab))
+        return pad_vocab(rows, stop - start)
+    if rule.tp_dim is None:
+        _shape(src, name)
+        return src.get(name)
+    n = _length(src, name, rule.tp_dim)
+    start, stop = _span(name, n, rank, size)
+    return src.get_rows(name, rule.tp_dim, start, stop)
+
+
+def _layout(
+    hf_config: PretrainedConfig,
+    tp_size: int,
+    pp_size: int,
+    ep_size: int,
+    etp_size: int,
+    vocab_multiple: int,
+) -> tuple[list[Rule], _Model, _Layout]:
+    rules = rules_for(hf_config)
+    model = _model(hf_config)
+    lay = _Layout(tp_size, pp_size, ep_size, etp_size, vocab_multiple)
+    _check_layout(model, lay)
+    return rules, model, lay
+
+
+def _etp_rank(tp_rank: int, etp_rank: int | None, lay: _Layout) -> int:
+    # megatron-core orders dense ranks tp-first and expert ranks etp-first, so when etp divides
+    # tp a rank's expert TP coordinate is its TP coordinate modulo etp.
+    if etp_rank is not None:
+        _rank("etp_rank", etp_rank, lay.etp)
+        return etp_rank
+    if lay.tp % lay.etp:
+        raise ValueError(
+            f"etp_size={lay.etp} does not divide tp_size={lay.tp}, so the expert tensor-parallel "
+            "rank does not follow from tp_rank; pass it (Mesh.expert_coords(rank)['etp'])"
+        )
+    return tp_rank % lay.etp
+
+
+def hf_to_mcore(
+    hf_state: HFState,
+    hf_config: PretrainedConfig,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int = 1,
+    vocab_multiple: int = 128,
+) -> dict[str, torch.Tensor]:
+    """This rank's local megatron-core tensors, named as in its GPTModel's ``state_dict``.
+
+    `hf_state` maps HF checkpoint names to tensors: a mapping, a getter ``name -> tensor``
+    (called once per tensor read) or a `SliceSource` such as `SafetensorsReader`, from which
+    only this rank's slices are read. `etp_size` is the expert tensor-parallel size (as
+    `twinkle_fn.mesh.Mesh.etp`, default 1; megatron-core's own default is `tp_size`) and
+    `etp_rank` this rank's coordinate on it, by default ``tp_rank % etp_size``. The
+    vocabulary is zero-padded to a multiple of ``vocab_multiple * tp_size`` (Megatron-LM's
+    ``make_vocab_size_divisible_by``). Tensors keep the source dtype and may share memory with
+    it. Raises ``ValueError`` for an unknown family, sizes that do not split the model (naming
+    the config field), ranks out of range, and a missing or misshapen HF tensor (naming it);
+    ``TypeError`` for an unusable `hf_state`.
+    """
+    rules, model, lay = _layout(hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple)
+    _rank("tp_rank", tp_rank, tp_size)
+    _rank("pp_rank", pp_rank, pp_size)
+    _rank("ep_rank", ep_rank, ep_size)
+    etp = _etp_rank(tp_rank, etp_rank, lay)
+    src = _source(hf_state)
+    return {
+        slot.mcore: _import(src, slot, model, lay, tp_rank, etp)
+        for slot in _slots(rules, model, lay, pp_rank, (ep_rank,))
+    }
+
+
+LocalStates = Mapping[tuple[int, ...], Mapping[str, torch.Tensor]]
+
+
+class _Ranks:
+    """Finds, for a tensor, the local state of each TP (or expert TP) rank that holds it."""
+
+    def __init__(self, states: LocalStates, lay: _Layout) -> None:
+        self._dense: dict[tuple[int, ...], Mapping[str, torch.Tensor]] = {}
+        self._expert: dict[tuple[int, ...], Mapping[str, torch.Tensor]] = {}
+        for key in sorted(states):
+            if not (isinstance(key, tuple) and len(key) in (3, 4)):
+                raise ValueError(
+                    f"local_states key {key!r} is not (tp_rank, pp_rank, ep_rank[, etp_rank])"
+                )
+            tp, pp, ep = key[:3]
+            _rank("tp_rank", tp, lay.tp)
+            _rank("pp_rank", pp, lay.pp)
+            _rank("ep_rank", ep, lay.ep)
+            etp = _etp_rank(tp, key[3] if len(key) == 4 else None, lay)
+            # Non-expert tensors are replicas across ep; any rank of a (tp, pp) pair will do.
+            self._dense.setdefault((tp, pp), states[key])
+            self._expert.setdefault((etp, pp, ep), states[key])
+        self._lay = lay
+
+    def shards(self, slot: _Slot) -> list[torch.Tensor]:
+        rule, lay = slot.rule, self._lay
+        size = 1 if rule.tp_dim is None else lay.etp if rule.expert else lay.tp
+        out = []
+        for rank in range(size):
+            key = (rank, slot.pp_rank, slot.ep_rank) if rule.expert else (rank, slot.pp_rank)
+            state = (self._expert if rule.expert else self._dense).get(key)
+            axes = "etp_rank, pp_rank, ep_rank" if rule.expert else "tp_rank, pp_rank"
+            if state is None:
+                raise ValueError(
+                    f"local_states has no rank with ({axes}) = {key} for {slot.mcore!r}; pass "
+                    "every rank's local state keyed by (tp_rank, pp_rank, ep_rank[, etp_rank])"
+                )
+            if slot.mcore not in state:
+                raise ValueError(
+                    f"megatron tensor {slot.mcore!r} is missing on rank ({axes}) = {key}"
+                )
+            out.append(state[slot.mcore].detach())
+        return out
+
+
+def _export(slot: _Slot, ranks: _Ranks, model: _Model) -> list[tuple[str, torch.Tensor]]:
+    rule = slot.rule
+    shards = ranks.shards(slot)
+    if rule.transform == "qkv":
+        parts = split_qkv(tp_unshard(shards, 0), model.heads, model.kv_heads, model.head_dim)
+        return list(zip(slot.hf, parts, strict=True))
+    if rule.transform == "gate_up":
+        gates, ups = zip(*(split_gate_up(s) for s in shards), strict=True)
+        return list(zip(slot.hf, (tp_unshard(gates, 0), tp_unshard(ups, 0)), strict=True))
+    (name,) = slot.hf
+    if rule.transform == "vocab":
+        return [(name, unpad_vocab(tp_unshard(shards, 0), model.vocab))]
+    return [(name, shards[0] if rule.tp_dim is None else tp_unshard(shards, rule.tp_dim))]
+
+
+def _export_stream(
+    rules: Sequence[Rule], model: _Model, lay: _Layout, ranks: _Ranks
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for pp_rank in range(lay.pp):
+        for slot in _slots(rules, model, lay, pp_rank, range(lay.ep)):
+            if not slot.rule.tied:
+                yield from _export(slot, ranks, model)
+
+
+def mcore_to_hf(
+    local_states: LocalStates,
+    hf_config: PretrainedConfig,
+    *,
+    tp_size: int,
+    pp_size: int,
+    ep_size: int = 1,
+    etp_size: int = 1,
+    vocab_multiple: int = 128,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors ``(checkpoint_name, tensor)`` from every rank's local megatron state.
+
+    `local_states` maps ``(tp_rank, pp_rank, ep_rank)`` -- with ``etp_rank`` appended when
+    `etp_size` does not divide `tp_size` -- to that rank's local tensors (extra names such as
+    ``_extra_state`` are ignored; ranks that only replicate another are optional). The stream goes layer by layer in HF order, so at most one layer's tensors are
+    gathered at a time; tensors may share memory with the inputs. A tied embedding's output
+    copy is not emitted. Layout arguments are as in `hf_to_mcore`. Raises ``ValueError``
+    (eagerly) for an unknown family, a layout that does not split the model or bad keys, and
+    (while streaming) for a rank or tensor missing from `local_states`.
+    """
+    rules, model, lay = _layout(hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple)
+    return _export_stream(rules, model, lay, _Ranks(local_states, lay))
+
+
+def export_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of `named` of at most `max_bytes` each (a larger tensor goes alone).
+
+    Lazy: a bucket is yielded as soon as the next tensor would overflow it. Raises
+    ``ValueError`` if `max_bytes` < 1.
+    """
+    _positive(max_bytes=max_bytes)
+    return _buckets(named, max_bytes)
+
+
+def _buckets(
+    named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
