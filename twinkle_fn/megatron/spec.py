@@ -1,0 +1,389 @@
+"""Layer specs for ``GPTModel``: megatron-core's own modules with torch SDPA as core attention.
+
+megatron-core's local spec computes attention with an unfused ``[seq, seq]`` matrix (3x slower
+than a plain transformers loop on an H200) and its torch norms refuse sequence parallelism. This
+spec keeps megatron-core's parallel linears, MLP and MoE layers and swaps in:
+
+- `SDPAAttention`: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU),
+  and for packed (THD) sequences flash-attn's varlen kernel when ``flash_attn`` is importable,
+  else SDPA per packed sample;
+- `RMSNorm`: an RMSNorm whose weight carries megatron's ``sequence_parallel`` flag, so that
+  ``finalize_model_grads`` all-reduces its gradient over the tensor-parallel group under SP.
+
+With TransformerEngine importable, `layer_spec` uses TE's modules instead, laid out the same way
+(separate norms, no fused norm-linear) so that parameter names are identical across backends:
+``input_layernorm.weight``, ``self_attention.linear_qkv.weight``, ``mlp.linear_fc1.weight``...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.transformer.utils import is_layer_window_attention
+from torch import Tensor
+
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _flash_varlen() -> Callable[..., Tensor] | None:
+    """flash-attn's ``flash_attn_varlen_func`` if flash-attn is importable, else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def have_te() -> bool:
+    """Whether TransformerEngine is importable (megatron-core's own detection)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension, computed in float32 like HF's Llama/Qwen norms.
+
+    ``weight`` (ones at init, ``config.params_dtype``) is marked ``sequence_parallel`` when the
+    config is, so megatron sums its gradient over the tensor-parallel group. Raises
+    ``ValueError`` if ``config.normalization`` is not ``"RMSNorm"``.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                f"RMSNorm built for normalization={config.normalization!r}; "
+                "set TransformerConfig.normalization='RMSNorm'"
+            )
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
+        )
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``weight * x / rms(x)`` over the last dim; `x`: ``[..., hidden]``."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def _first_set(*values: Tensor | None) -> Tensor | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _init_device(config: TransformerConfig) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class SDPAAttention(MegatronModule):
+    """megatron-core core attention computed by torch's ``scaled_dot_product_attention``.
+
+    Drop-in for ``DotProductAttention`` (same constructor and ``forward`` signature): inputs
+    ``query [sq, b, heads, dim]``, ``key``/``value [sk, b, groups, dim]`` (GQA: heads a multiple
+    of groups), output ``[sq, b, heads * dim]``. ``attention_mask`` is megatron's boolean mask
+    (True = masked out, broadcastable to ``[b, 1, sq, sk]``), combined with causality and the
+    config's sliding window. Packed sequences (``packed_seq_params.qkv_format == 'thd'``) take
+    ``[tokens, heads, dim]`` and attend causally within each sample of ``cu_seqlens_q`` (the
+    padded boundaries when given); output ``[tokens, heads * dim]``.
+
+    Raises ``ValueError`` for context parallelism, a non-vanilla softmax, an attention bias,
+    packed parameters without ``cu_seqlens_q``, or packed query and key/value boundaries that
+    differ.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                "SDPAAttention does not implement context parallelism; use cp=1 or "
+                "TransformerEngine's spec (layer_spec(config, use_te=True))"
+            )
+        if config.softmax_type != "vanilla":
+            raise ValueError(
+                f"SDPAAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = (
+            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        use_window = is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, self.layer_number
+        )
+        self.window: tuple[int, int] | None = (
+            tuple(config.window_size) if use_window else None  # type: ignore[assignment]
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        """Attention output, ``[sq, b, heads * dim]`` (THD: ``[tokens, heads * dim]``)."""
+        if attention_bias is not None:
+            raise ValueError("SDPAAttention does not take an attention_bias; pass None")
+        causal = (attn_mask_type or self.attn_mask_type) in _CAUSAL
+        dropout_p = self.dropout_p if self.training else 0.0
+        # Dropout in the tensor-parallel region draws from megatron's model-parallel RNG stream.
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if dropout_p > 0 and not self.config.sequence_parallel
+            else contextlib.nullcontext()
+        )
+        with rng:
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                return self._packed(query, key, value, packed_seq_params, causal, dropout_p)
+            # [s, b, n, d] -> [b, n, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = self._attend(q, k, v, attention_mask, causal, dropout_p)
+        sq, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _allowed(
+        self, sq: int, sk: int, causal: bool, mask: Tensor | None, device: torch.device
+    ) -> Tensor | None:
+        """Boolean ``[.., sq, sk]`` mask of allowed pairs, or None when SDPA's own suffices."""
+        if mask is None and self.window is None and (not causal or sq == sk):
+            return None
+        # Queries are the last sq of sk positions (bottom-right aligned, as with a KV cache).
+        rel = torch.arange(sk, device=device) - torch.arange(sk - sq, sk, device=device)[:, None]
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if causal:
+            allowed &= rel <= 0
+        if self.window is not None:
+            left, right = self.window  # -1: unbounded on that side
+            if left >= 0:
+                allowed &= rel >= -left
+            if right >= 0:
+                allowed &= rel <= right
+        if mask is not None:
+            allowed = allowed & ~mask
+        # A row with nothing to attend to (a padding query) would give NaN; let it attend
+        # everywhere instead: its output is garbage either way and carries no loss.
+        return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        causal: bool,
+        dropout_p: float,
+    ) -> Tensor:
+        """SDPA on ``[b, heads, s, dim]`` / ``[b, groups, s, dim]`` tensors."""
+        allowed = self._allowed(q.shape[2], k.shape[2], causal, mask, q.device)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            dropout_p=dropout_p,
+            is_causal=causal and allowed is None,
+            scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+    def _packed(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        params: PackedSeqParams,
+        causal: bool,
+        dropout_p: float,
+    ) -> Tensor:
+        """Per-sample attention over packed ``[tokens, heads, dim]`` tensors."""
+        cu_q = _first_set(params.cu_seqlens_q_padded, params.cu_seqlens_q)
+        cu_kv = _first_set(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
+        if cu_q is None:
+            raise ValueError("packed (thd) attention needs packed_seq_params.cu_seqlens_q")
+        if cu_kv is not None and not torch.equal(cu_q, cu_kv):
+            raise ValueError("SDPAAttention packs self-attention only: cu_seqlens_q must equal _kv")
+        flash = _flash_varlen()
+        if flash is not None and query.dtype in _FLASH_DTYPES:
+            cu = cu_q.to(torch.int32)
+            max_len = params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
+            out = flash(
+                query,
+                key,
+                value,
+                cu,
+                cu,
+                max_len,
+                max_len,
+                dropout_p=dropout_p,
+                softmax_scale=self.softmax_scale,
+                causal=causal,
+                window_size=self.window or (-1, -1),
+            )
+            return out.reshape(out.shape[0], -1)
+        bounds = [int(b) for b in cu_q.tolist()]
+        pieces = []
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                # [len, n, d] -> [1, n, len, d]
+                q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
+                pieces.append(self._attend(q, k, v, None, causal, dropout_p)[0].transpose(0, 1))
+        tail = query.shape[0] - bounds[-1]
+        if tail > 0:
+            pieces.append(query.new_zeros(tail, *query.shape[1:]))
+        return torch.cat(pieces).reshape(query.shape[0], -1)
+
+
+class _SDPASpecProvider(LocalSpecProvider):
+    """megatron-core's local modules, with `SDPAAttention` and `RMSNorm`."""
+
+    def layer_norm(
+        self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False
+    ) -> type[RMSNorm]:
+        return RMSNorm
+
+    def core_attention(self) -> type[SDPAAttention]:
+        return SDPAAttention
+
+
+def _backend(use_te: bool | None) -> BackendSpecProvider:
+    te = have_te()
+    if use_te and not te:
+        raise ValueError(
+            "use_te=True but TransformerEngine is not importable; install transformer_engine "
+            "or use use_te=None/False for the SDPA spec"
+        )
+    if te if use_te is None else use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        return TESpecProvider()
+    return _SDPASpecProvider()
+
+
+def layer_spec(
+    config: TransformerConfig, use_te: bool | None = None, *, moe: bool | None = None
+) -> ModuleSpec:
+    """``ModuleSpec`` of one ``TransformerLayer`` (norm -> attention -> norm -> MLP or MoE).
+
+    `use_te`: TransformerEngine's modules (None: when importable) or megatron-core's with
+    `SDPAAttention` and `RMSNorm`, never fused norm-linears, so parameter names are the local
+    spec's on both (experts: with ``moe_grouped_gemm=False``). `moe`: an MoE layer (default:
+    iff the config has experts). q/k RMSNorms when ``config.qk_layernorm``. Raises
+    ``ValueError`` for ``use_te=True`` without TransformerEngine.
+    """
+    backend = _backend(use_te)
+    is_moe = config.num_moe_experts is not None if moe is None else moe
+    norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if config.qk_layernorm else IdentityOp
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=backend.column_parallel_linear(),
+            core_attention=backend.core_attention(),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+    if is_moe:
+        mlp = get_moe_module_spec_for_backend(
+            backend=backend,
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+        )
+    else:
+        # Plain column/row linears even where the backend offers a fused norm + fc1: the
+        # pre-MLP norm stays its own module (and parameter name) on every backend.
+        mlp = functools.partial(
+            MLP.as_mlp_submodule,
+            submodules=MLPSubmodules(
+                linear_fc1=backend.column_parallel_linear(),
+                linear_fc2=backend.row_parallel_linear(),
+            ),
+        )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Per global layer, whether it is an MoE layer (from ``config.moe_layer_freq``)."""
+    if config.num_moe_experts is None:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(f) for f in freq]
+
+
+def decoder_spec(
+    config: TransformerConfig, use_te: bool | None = None, *, pp_rank: int | None = None
+) -> TransformerBlockSubmodules:
+    """Block spec of this pipeline stage's layers (dense or MoE each) and the final norm.
+
+    `pp_rank` defaults to megatron's current pipeline rank. Raises like `layer_spec`.
+    """
+    pattern = moe_layer_pattern(config)
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec(config, use_te, moe=m) for m in pattern[offset : offset + count]],
+        layer_norm=_backend(use_te).layer_norm(rms_norm=True, for_qk=False),
+    )
