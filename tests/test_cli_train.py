@@ -77,3 +77,24 @@ def test_batch_larger_than_data_is_named(tmp_path, capsys):
     args = ["train", "--num-samples", "20", "--batch-size", "64", "--output-dir", str(tmp_path)]
     assert main(args) == 2
     assert "--batch-size" in capsys.readouterr().err
+
+
+def _train_on_two_ranks(out):
+    args = ["train", *SMALL, "--steps", "4", "--mesh", "fsdp=2", "--output-dir", str(out)]
+    return main(args)
+
+
+def test_two_ranks_under_a_launcher(tmp_path):
+    """What `torchrun --nproc-per-node 2 -m twinkle.cli train --mesh fsdp=2` runs, on gloo."""
+    from twinkle_fn.testing_dist import spawn
+
+    assert spawn(_train_on_two_ranks, 2, tmp_path) == [0, 0]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["heldout_loss_after"] < summary["heldout_loss_before"]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
+
+
+def test_bad_mesh_is_named(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--mesh", "dp=two"])
+    assert "--mesh" in capsys.readouterr().err

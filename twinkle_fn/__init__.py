@@ -10,7 +10,7 @@ Immutable train states (optree pytrees) and pure functions over them::
     state, info = tf.step(state, grads)
 """
 
-from twinkle_fn import checkpoint, data, losses, models, optim, pytree, schedules
+from twinkle_fn import checkpoint, data, lora, losses, models, optim, pytree, schedules
 from twinkle_fn.api import evaluate, fwd_bwd, init, shard, step, unshard
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.sharding import ShardSpec, local_shard
@@ -28,6 +28,7 @@ __all__ = [
     "fwd_bwd",
     "init",
     "local_shard",
+    "lora",
     "losses",
     "models",
     "optim",

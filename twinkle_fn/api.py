@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from twinkle_fn.backends import fsdp, hf
+from twinkle_fn import backends
+from twinkle_fn.backends.fsdp import copy_into_shard
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
-from twinkle_fn.optim import GradientTransformation, apply_updates, current_lr
-from twinkle_fn.optim.base import foreach_mul_
-from twinkle_fn.pytree import tree_global_norm, tree_leaves
+from twinkle_fn.optim import GradientTransformation
+from twinkle_fn.pytree import tree_leaves
 from twinkle_fn.state import Grads, TrainState
 
 
@@ -35,9 +35,9 @@ def init(
     mesh does not fit the world.
     """
     mesh = mesh or Mesh()
-    if mesh.world_size > 1 and model.placement is None:
-        model = fsdp.parallelize(model, mesh)
-    params = {n: p for n, p in model.module.named_parameters() if p.requires_grad}
+    backend = backends.get(model.backend)
+    model = backend.prepare(model, mesh)
+    params = backend.trainable(model)
     if not params:
         raise ValueError("the model has no trainable parameter (every requires_grad is False)")
     return TrainState(
@@ -72,7 +72,7 @@ def shard(state: TrainState, mesh: Mesh) -> TrainState:
     new = init(state.model, state.tx, mesh)
     state.donate("shard")
     for full, leaf in zip(full_opt, tree_leaves(new.opt_state), strict=True):
-        fsdp.copy_into_shard(leaf, full)
+        copy_into_shard(leaf, full)
     return new.replace(step=step.clone(), rng=rng.clone())
 
 
@@ -82,7 +82,7 @@ def unshard(state: TrainState) -> dict[str, torch.Tensor]:
     On one process these are detached views of the state's own tensors.
     """
     state.check_alive()
-    return fsdp.unshard(state.params)
+    return backends.get(state.model.backend).unshard(state)
 
 
 def fwd_bwd(
@@ -104,7 +104,7 @@ def fwd_bwd(
     if accum is not None:
         accum.check_alive()
         accum = _take(accum, "fwd_bwd", donate)
-    return hf.fwd_bwd(state, batch, accum)
+    return backends.get(state.model.backend).fwd_bwd(state, batch, accum)
 
 
 @torch.no_grad()
@@ -115,7 +115,10 @@ def evaluate(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput
     a donated state.
     """
     state.check_alive()
-    return hf.loss_of(state, batch)
+    backend = backends.get(state.model.backend)
+    out = backend.loss_of(state, batch)
+    backend.after_eval(state.model)
+    return out
 
 
 def step(
@@ -136,7 +139,8 @@ def step(
             "step(donate=False) copies the state, but a sharded model computes with one set of "
             "parameters; use donate=True (save a checkpoint to keep an earlier state)"
         )
-    return _update(_take(state, "step", donate), _take(grads, "step", donate))
+    backend = backends.get(state.model.backend)
+    return backend.update(_take(state, "step", donate), _take(grads, "step", donate))
 
 
 def _take[T: (TrainState, Grads)](obj: T, by: str, donate: bool) -> T:
@@ -146,23 +150,3 @@ def _take[T: (TrainState, Grads)](obj: T, by: str, donate: bool) -> T:
     alias = obj.replace()
     obj.donate(by)
     return alias
-
-
-def _update(state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
-    # Each data-parallel rank saw its own tokens; every rank normalises by all of them.
-    placement = state.model.placement
-    num_tokens = fsdp.all_reduce_dp(grads.num_tokens, placement)
-    loss_sum = fsdp.all_reduce_dp(grads.loss_sum, placement)
-    g = grads.params
-    foreach_mul_(list(g.values()), 1.0 / num_tokens.clamp(min=1).double())
-    grad_norm = tree_global_norm(g)
-    updates, opt_state = state.tx.update(g, state.opt_state, state.params)
-    apply_updates(state.params, updates)
-    new = state.replace(opt_state=opt_state, step=state.step + 1, rng=hf.next_key(state.rng))
-    info = {
-        "loss": loss_sum / num_tokens.clamp(min=1),
-        "grad_norm": grad_norm,
-        "num_tokens": num_tokens,
-        "lr": current_lr(opt_state),
-    }
-    return new, info

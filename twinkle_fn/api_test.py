@@ -168,3 +168,16 @@ def test_frozen_params_stay_out_of_the_state():
     frozen = model.module.get_input_embeddings().weight.clone()
     state, _ = tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])
     assert torch.equal(model.module.get_input_embeddings().weight, frozen)
+
+
+def test_activation_checkpointing_gives_the_same_grads():
+    """Recomputing layers in backward changes memory, not values (float64: bit-for-bit here)."""
+    batch = pack(random_features(4, seed=9))
+    grads = []
+    for ckpt in (False, True):
+        model = tf.models.from_hf_config(
+            tiny_config(), seed=0, device="cpu", activation_checkpointing=ckpt
+        )
+        grads.append(tf.fwd_bwd(_state(model), batch)[0])
+    for name, g in grads[0].params.items():
+        torch.testing.assert_close(grads[1].params[name], g, rtol=1e-12, atol=0)

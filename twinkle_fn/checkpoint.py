@@ -1,8 +1,11 @@
 """Save and load a `TrainState` as a directory that transformers can also load.
 
-Layout of a checkpoint directory: the HF model files (``config.json``, ``*.safetensors``, and the
-tokenizer when given), so ``AutoModelForCausalLM.from_pretrained(dir)`` works, plus
-``twinkle_state.pt`` (optimizer state, step, RNG key, user extras) and ``twinkle_manifest.json``.
+Layout: the HF model files (``config.json``, ``*.safetensors``; the tokenizer when given), so
+``AutoModelForCausalLM.from_pretrained(dir)`` works, plus ``twinkle_state.pt`` (step, RNG key,
+names, and on one process the optimizer state) and ``twinkle_manifest.json``. A sharded state
+(FSDP/TP) also writes ``dcp/``: parameters and optimizer state through
+``torch.distributed.checkpoint``, each rank writing its own shards, so a checkpoint loads on
+another mesh (DCP reshards on load) or on one process.
 
 A save writes into a temporary sibling directory and renames it into place only once the
 manifest is written, so an interrupted save never leaves a directory that `load` accepts.
@@ -18,14 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from twinkle_fn.backends.fsdp import copy_into_shard, unshard
 from twinkle_fn.backends.hf import bind
-from twinkle_fn.pytree import tree_flatten_with_path, tree_leaves, tree_structure, tree_unflatten
+from twinkle_fn.distributed import rank, world_size
+from twinkle_fn.pytree import tree_flatten_with_path, tree_leaves
 from twinkle_fn.state import TrainState
 
 MANIFEST = "twinkle_manifest.json"
 STATE_FILE = "twinkle_state.pt"
+DCP_DIR = "dcp"
 FORMAT = 1
 
 
@@ -38,36 +46,46 @@ def save(
 ) -> Path:
     """Write `state` (and `tokenizer`, and JSON-able `extra`) to the directory `path`.
 
-    An existing checkpoint at `path` is replaced only after the new one is complete. Returns the
-    path. Raises ``DonatedError`` for a donated state and ``TypeError`` for non-JSON `extra`.
+    On several ranks every rank must call it (it gathers the HF weights and writes its own
+    shards); rank 0 writes the rest. An existing checkpoint at `path` is replaced only after the
+    new one is complete. Returns the path. Raises ``DonatedError`` for a donated state and
+    ``TypeError`` for non-JSON `extra`.
     """
     state.check_alive()
     path = Path(path)
     extra = extra or {}
     json.dumps(extra)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    sharded = state.model.placement is not None
+    writer = rank() == 0
+    tmp = path.parent / f".{path.name}.tmp-{_shared_token()}"
     try:
-        module = state.model.module
-        bind(module, state.params, sharded=state.model.placement is not None)
-        module.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if writer:
+            tmp.mkdir(parents=True)
+        _barrier()
         opt = tree_flatten_with_path(state.opt_state)
-        torch.save(
-            {
+        if sharded:
+            dcp.save(_dcp_state(state), checkpoint_id=tmp / DCP_DIR)
+        full = _full_state_dict(state)
+        if writer:
+            state.model.module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            meta = {
                 "opt_paths": [p for p, _ in opt],
-                "opt_leaves": [leaf for _, leaf in opt],
                 "step": state.step,
                 "rng": state.rng,
                 "trainable": sorted(state.params),
-            },
-            tmp / STATE_FILE,
-        )
-        _write_json(tmp / MANIFEST, {"format": FORMAT, "step": int(state.step), "extra": extra})
-        _replace_dir(tmp, path)
+            }
+            if not sharded:
+                meta["opt_leaves"] = [leaf for _, leaf in opt]
+            torch.save(meta, tmp / STATE_FILE)
+            manifest = {"format": FORMAT, "step": int(state.step), "extra": extra}
+            _write_json(tmp / MANIFEST, {**manifest, "sharded": sharded})
+            _replace_dir(tmp, path)
+        _barrier()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
 
@@ -85,13 +103,14 @@ def read_extra(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True) -> TrainState:
     """`state` with parameters, optimizer state, step and RNG key read from `path`.
 
-    `state` provides the structure (module, optimizer transform, mesh); with ``donate=True`` its
-    buffers are overwritten in place and it is consumed, otherwise a copy is filled. Raises
-    ``ValueError`` for an incomplete or incompatible checkpoint (missing manifest, other
-    trainable parameters, another optimizer's state).
+    `state` provides the structure (module, optimizer transform, mesh), which may differ from
+    the mesh the checkpoint was saved on. With ``donate=True`` its buffers are overwritten in
+    place and it is consumed; ``donate=False`` (one process only) fills a copy. On several ranks
+    every rank must call it. Raises ``ValueError`` for an incomplete or incompatible checkpoint
+    (missing manifest, other trainable parameters, another optimizer's state).
     """
     path = Path(path)
-    _manifest(path)
+    manifest = _manifest(path)
     saved = torch.load(path / STATE_FILE, weights_only=True)
     if saved["trainable"] != sorted(state.params):
         raise ValueError(
@@ -99,28 +118,40 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
             f"({len(saved['trainable'])} vs {len(state.params)} in this state); "
             "load it into a state built from the same model and adapters"
         )
-    if donate:
-        new = state.replace()
-        state.donate("checkpoint.load")
-    else:
-        new = state.copy()
-    _load_weights(new, path)
-    opt_leaves = tree_leaves(new.opt_state)
-    opt_paths = [p for p, _ in tree_flatten_with_path(new.opt_state)]
-    if opt_paths != saved["opt_paths"]:
+    if [p for p, _ in tree_flatten_with_path(state.opt_state)] != saved["opt_paths"]:
         raise ValueError(
             f"checkpoint {path} holds another optimizer's state; use the same transform as the save"
         )
-    with torch.no_grad():
-        for dst, src in zip(opt_leaves, saved["opt_leaves"], strict=True):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src)
-    opt_state = tree_unflatten(tree_structure(new.opt_state), opt_leaves)
-    return new.replace(opt_state=opt_state, step=saved["step"].clone(), rng=saved["rng"].clone())
+    if donate:
+        new = state.replace()
+        state.donate("checkpoint.load")
+    elif state.model.placement is not None:
+        raise ValueError("load(donate=False) copies the state, which a sharded model cannot do")
+    else:
+        new = state.copy()
+    _load_weights(new, path)
+    if manifest["sharded"]:
+        dcp.load(_dcp_state(new), checkpoint_id=path / DCP_DIR)
+    else:
+        for dst, src in zip(tree_leaves(new.opt_state), saved["opt_leaves"], strict=True):
+            copy_into_shard(dst, src)
+    return new.replace(step=saved["step"].clone(), rng=saved["rng"].clone())
+
+
+def _dcp_state(state: TrainState) -> dict[str, dict[str, torch.Tensor]]:
+    """What DCP saves and loads in place: parameters and optimizer-state leaves by path."""
+    return {"params": dict(state.params), "opt": dict(tree_flatten_with_path(state.opt_state))}
+
+
+def _full_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
+    """Every module tensor as a whole tensor, in HF names (a collective when sharded)."""
+    module = state.model.module
+    bind(module, state.params, sharded=state.model.placement is not None)
+    return unshard(dict(module.state_dict()))
 
 
 def _load_weights(state: TrainState, path: Path) -> None:
-    """Copy every saved tensor into the module parameter of the same name (state's params bound)."""
+    """Copy every saved HF tensor into the module tensor of the same name (shards cut locally)."""
     module = state.model.module
     bind(module, state.params, sharded=state.model.placement is not None)
     saved: dict[str, torch.Tensor] = {}
@@ -130,10 +161,22 @@ def _load_weights(state: TrainState, path: Path) -> None:
     missing = [n for n in state.params if n not in saved]
     if missing:
         raise ValueError(f"checkpoint {path} lacks trainable parameters: {missing[:5]}")
-    with torch.no_grad():
-        for name, tensor in saved.items():
-            if name in own:
-                own[name].copy_(tensor)
+    for name, tensor in saved.items():
+        if name in own:
+            copy_into_shard(own[name], tensor)
+
+
+def _shared_token() -> str:
+    """A random token that every rank agrees on (rank 0's)."""
+    token = [uuid.uuid4().hex[:8]]
+    if world_size() > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
 
 
 def _manifest(path: Path) -> dict[str, Any]:

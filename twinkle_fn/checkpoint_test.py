@@ -88,3 +88,48 @@ def test_load_without_donation_keeps_the_template(tmp_path):
     for n in before:
         assert torch.equal(template.params[n], before[n])
         assert torch.equal(loaded.params[n], state.params[n])
+
+
+def _dist_state(mesh):
+    model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, device="cpu")
+    model.module.to(torch.float64)
+    tx = tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(1e-2))
+    return tf.init(model, tx, mesh)
+
+
+def _dist_step(state, seed):
+    from twinkle_fn.distributed import rank
+
+    feats = random_features(8, seed=seed)
+    mine = feats[state.mesh.get_slice(8, rank())] if state.mesh.world_size > 1 else feats
+    return tf.step(state, tf.fwd_bwd(state, pack(mine))[0])[0]
+
+
+def _save_on_fsdp2_resume_on_tp2(ckpt):
+    state = _dist_state(tf.Mesh(fsdp=2))
+    state = _dist_step(_dist_step(state, 1), 2)
+    saved_params = tf.unshard(state)
+    tf.checkpoint.save(state, ckpt, extra={"consumed": 16})
+    straight = tf.unshard(_dist_step(state, 3))
+    resumed = tf.checkpoint.load(_dist_state(tf.Mesh(tp=2)), ckpt)
+    assert int(resumed.step) == 2
+    return saved_params, straight, tf.unshard(_dist_step(resumed, 3))
+
+
+def test_sharded_checkpoint_resumes_on_another_mesh_and_exports_hf(tmp_path):
+    """Saved on fsdp2, resumed on tp2 and on one process: the next step equals the uninterrupted
+    one (float64; different meshes sum in different orders, hence 1e-9 rather than exact)."""
+    from twinkle_fn.testing_dist import spawn
+
+    ckpt = tmp_path / "ckpt"
+    (saved, straight, resumed), _ = spawn(_save_on_fsdp2_resume_on_tp2, 2, ckpt)
+    for n in straight:
+        torch.testing.assert_close(resumed[n], straight[n], rtol=1e-9, atol=1e-12, msg=n)
+    one = _dist_step(tf.checkpoint.load(_dist_state(tf.Mesh()), ckpt), 3)
+    for n in straight:
+        torch.testing.assert_close(one.params[n].detach(), straight[n], rtol=1e-9, atol=1e-12)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
+    for n, p in hf.named_parameters():
+        assert torch.equal(p.detach(), saved[n]), n
+    assert tf.checkpoint.read_extra(ckpt) == {"consumed": 16}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

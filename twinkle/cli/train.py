@@ -31,6 +31,7 @@ from twinkle_fn.data import (
     split_features,
     train_heldout_split,
 )
+from twinkle_fn.distributed import init_distributed, rank, world_size
 
 
 @dataclass
@@ -68,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=_positive_int, default=8000, help="built-in data size")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mesh",
+        type=_mesh,
+        default=None,
+        help="parallel sizes under torchrun, e.g. fsdp=2 or dp=2,tp=2 (default: one process)",
+    )
     p.add_argument("--output-dir", default="runs/twinkle-train")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -76,7 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the training job described by `args`; returns the exit code."""
     summary = train(args)
-    print_summary(summary)
+    if rank() == 0:
+        print_summary(summary)
     return 0
 
 
@@ -84,6 +92,10 @@ def train(args: argparse.Namespace) -> Summary:
     """Train, evaluate before and after, save a checkpoint, plot and summarise."""
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    init_distributed()
+    mesh = args.mesh or tf.Mesh()
+    if mesh.world_size > 1:
+        mesh.validate(world_size())
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model_and_tokenizer(args)
@@ -108,7 +120,7 @@ def train(args: argparse.Namespace) -> Summary:
         tf.optim.clip_by_global_norm(1.0),
         tf.optim.adamw(schedule, weight_decay=args.weight_decay),
     )
-    state = tf.init(model, tx, seed=args.seed)
+    state = tf.init(model, tx, mesh, seed=args.seed)
     heldout_before = _heldout_loss(state, heldout_feats, args.batch_size)
 
     losses: list[float] = []
@@ -133,7 +145,9 @@ def train(args: argparse.Namespace) -> Summary:
 
     heldout_after = _heldout_loss(state, heldout_feats, args.batch_size)
     ckpt = tf.checkpoint.save(state, out / "checkpoint", tokenizer=tokenizer)
-    plot = plot_losses(losses, heldout_before, heldout_after, out / "loss.png")
+    plot = out / "loss.png"
+    if rank() == 0:
+        plot_losses(losses, heldout_before, heldout_after, plot)
     summary = Summary(
         model=args.model or "tiny-qwen2 (random init)",
         data=args.data or "arithmetic (built-in)",
@@ -150,7 +164,8 @@ def train(args: argparse.Namespace) -> Summary:
         checkpoint=str(ckpt),
         plot=str(plot),
     )
-    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    if rank() == 0:
+        (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
 
 
@@ -205,6 +220,17 @@ def _sample_order(n: int, total: int, seed: int) -> list[int]:
         rng.shuffle(epoch)
         order.extend(epoch)
     return order[:total]
+
+
+def _mesh(text: str) -> tf.Mesh:
+    """``"dp=2,tp=2"`` -> ``Mesh(dp=2, tp=2)``."""
+    try:
+        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
+        return tf.Mesh(**sizes)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a mesh; write sizes like fsdp=2 or dp=2,tp=2 ({e})"
+        ) from e
 
 
 def _positive_int(text: str) -> int:

@@ -14,14 +14,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from twinkle_fn.distributed import world_size
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
-from twinkle_fn.models.plans import COLWISE, tp_plan
+from twinkle_fn.models.plans import COLWISE, tp_plan, with_lora
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,24 +51,24 @@ def device_mesh(mesh: Mesh) -> DeviceMesh:
     )
 
 
-def parallelize(model: Model, mesh: Mesh, *, activation_checkpointing: bool = False) -> Model:
+def parallelize(model: Model, mesh: Mesh) -> Model:
     """Shard `model`'s module in place over `mesh`; returns the model with its placement.
 
     Its parameters become DTensors (new parameter objects: read them from the module again).
-    `activation_checkpointing` recomputes each decoder layer in backward. Raises ``ValueError``
+    Raises ``ValueError``
     when tp does not divide the model's heads or features, or for meshes the backend lacks.
     """
     module = model.module
     dm = device_mesh(mesh)
     layers = module.get_decoder().layers
-    if activation_checkpointing:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mesh.tp > 1:
         plan = tp_plan(module.config, mesh.tp)
-        styles = {
-            s: ColwiseParallel() if v == COLWISE else RowwiseParallel() for s, v in plan.items()
-        }
         for layer in layers:
+            layer_plan = with_lora(plan, (n for n, _ in layer.named_modules()))
+            styles = {
+                s: ColwiseParallel() if v == COLWISE else RowwiseParallel()
+                for s, v in layer_plan.items()
+            }
             parallelize_module(layer, dm["tp"], styles)
     if mesh.data_world_size > 1:
         data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
@@ -77,8 +77,10 @@ def parallelize(model: Model, mesh: Mesh, *, activation_checkpointing: bool = Fa
             fully_shard(layer, mesh=data_mesh, mp_policy=mp)
         fully_shard(module, mesh=data_mesh, mp_policy=mp)
         for m in module.modules():
-            if hasattr(m, "set_gradient_divide_factor"):
+            if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
+                # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy with SUM.
+                m.set_force_sum_reduction_for_comms(True)
     placement = Placement(mesh, dm, _dp_group(mesh))
     return dataclasses.replace(model, placement=placement)
 
@@ -111,6 +113,13 @@ def copy_into_shard(dst: torch.Tensor, full: torch.Tensor) -> None:
 def unshard(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors from sharded ones (``full_tensor``, a collective every rank must call)."""
     return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in params.items()}
+
+
+def reshard(model: Model) -> None:
+    """Free the gathered parameters a forward without backward left behind (FSDP2 keeps the
+    root's parameters gathered after forward, expecting a backward to use them)."""
+    if isinstance(model.module, FSDPModule):
+        model.module.reshard()
 
 
 def _dp_group(mesh: Mesh) -> dist.ProcessGroup | None:

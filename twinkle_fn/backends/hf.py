@@ -26,23 +26,19 @@ _LCG_INC = 1442695040888963407
 def bind(module: torch.nn.Module, params: Mapping[str, torch.Tensor], sharded: bool) -> None:
     """Make `module`'s parameters named in `params` be exactly those tensor objects.
 
-    A `sharded` module (FSDP2/DTensor) keeps references to its own parameters in its hooks, so
-    there the state must hold those very tensors. Raises ``KeyError`` naming a parameter the
-    module does not have, and ``ValueError`` when a sharded module is asked to rebind.
+    A `sharded` module (FSDP2/DTensor) swaps its registered parameters in its own hooks and is
+    always the owner of the state's tensors (copying a sharded state is refused), so it is left
+    alone. Raises ``KeyError`` naming a parameter the module does not have.
     """
+    if sharded:
+        return
     for name, tensor in params.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         if leaf not in owner._parameters:
             raise KeyError(f"the module has no parameter {name!r}")
-        if owner._parameters[leaf] is tensor:
-            continue
-        if sharded:
-            raise ValueError(
-                f"parameter {name!r} of this state is not the sharded module's own tensor (a copy "
-                "made with donate=False?); a sharded model computes in place: use donate=True"
-            )
-        owner._parameters[leaf] = tensor
+        if owner._parameters[leaf] is not tensor:
+            owner._parameters[leaf] = tensor
 
 
 def model_inputs(

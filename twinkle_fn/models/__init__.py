@@ -2,7 +2,6 @@
 
 from twinkle_fn.models.families import FAMILIES, family_of
 from twinkle_fn.models.model import (
-    BACKENDS,
     Model,
     from_hf_config,
     from_pretrained,
@@ -10,7 +9,6 @@ from twinkle_fn.models.model import (
 )
 
 __all__ = [
-    "BACKENDS",
     "FAMILIES",
     "Model",
     "family_of",

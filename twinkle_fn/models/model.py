@@ -18,7 +18,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from twinkle_fn.models.families import family_of
 from twinkle_fn.models.lm_head import fuse_lm_head
 
-BACKENDS: tuple[str, ...] = ("fsdp",)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -57,13 +56,15 @@ def from_hf_config(
     precision: str = "fp32",
     device: str | torch.device | None = None,
     seed: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> Model:
     """Build a randomly initialised causal LM of a supported family from an HF config.
 
     `config` is a ``PretrainedConfig`` or a dict with a ``model_type`` key. `precision` is the
     compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (parameters stay float32 master weights).
-    `seed` seeds the initialisation. Raises ``ValueError`` for an unknown family, backend or
-    precision.
+    `seed` seeds the initialisation. `activation_checkpointing` recomputes each decoder layer's
+    activations in backward instead of storing them. Raises ``ValueError`` for an unknown
+    family, backend or precision.
     """
     if isinstance(config, dict):
         if "model_type" not in config:
@@ -75,8 +76,7 @@ def from_hf_config(
     if seed is not None:
         torch.manual_seed(seed)
     module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fuse_lm_head(module)
-    return Model(module.to(device or _default_device()), family, backend, compute_dtype)
+    return _model(module, family, backend, compute_dtype, device, activation_checkpointing)
 
 
 def from_pretrained(
@@ -85,11 +85,13 @@ def from_pretrained(
     backend: str = "fsdp",
     precision: str = "fp32",
     device: str | torch.device | None = None,
+    activation_checkpointing: bool = False,
 ) -> Model:
     """Load a causal LM of a supported family from a local HF directory or a hub id.
 
     `model_id` is a directory with ``config.json`` and safetensors weights, or ``hf://org/name`` /
-    ``ms://org/name`` (downloaded only when that hub is reachable). Raises ``ValueError`` when the
+    ``ms://org/name`` (downloaded only when that hub is reachable). `precision` and
+    `activation_checkpointing` are as in `from_hf_config`. Raises ``ValueError`` when the
     directory has no ``config.json``, the family is unknown, or a hub id cannot be fetched.
     """
     path = resolve_model_dir(model_id)
@@ -98,7 +100,21 @@ def from_pretrained(
     _check_backend(backend)
     compute_dtype = _dtype(precision)
     module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return _model(module, family, backend, compute_dtype, device, activation_checkpointing)
+
+
+def _model(
+    module: torch.nn.Module,
+    family: str,
+    backend: str,
+    compute_dtype: torch.dtype,
+    device: str | torch.device | None,
+    activation_checkpointing: bool,
+) -> Model:
     fuse_lm_head(module)
+    module.train()  # from_pretrained returns eval mode; training wants dropout as configured
+    if activation_checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return Model(module.to(device or _default_device()), family, backend, compute_dtype)
 
 
@@ -145,8 +161,10 @@ def _download(scheme: str, repo_id: str) -> Path:
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    from twinkle_fn import backends  # the registry imports this module's Model
+
+    if backend not in backends.names():
+        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(backends.names())}")
 
 
 def _dtype(precision: str) -> torch.dtype:

@@ -5,6 +5,11 @@ over tp) or ``"rowwise"`` (input features split; the output is summed across tp)
 turns a plan and a mesh into each parameter's sharding: a tuple of `ShardSpec`s applied in order
 (tp first, then FSDP's dim-0 split of the tp-local tensor over ``fsdp``). The FSDP backend shards
 with the same table, so `local_specs` predicts exactly what each rank holds.
+
+A linear layer that peft wrapped with LoRA (``y = base_layer(x) + lora_B(lora_A(x))``) keeps its
+plan entry: `with_lora` moves it onto ``base_layer`` and splits the adapter factor that sits on
+the split side (``lora_B`` like a colwise base's outputs, ``lora_A`` like a rowwise base's
+inputs); the other factor is small and stays whole on every tp rank.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ TP_PLANS: dict[str, dict[str, str]] = {
 }
 
 _LAYER = re.compile(r"^(?:.*\.)?layers\.\d+\.(?P<sub>.+)\.(?P<leaf>weight|bias)$")
+# peft LoRA submodules of a wrapped linear: its base, or an adapter factor under some name.
+_LORA = re.compile(r"^(?P<sub>.+)\.(?:base_layer|(?P<factor>lora_A|lora_B)\.[^.]+)$")
 
 Specs = tuple[ShardSpec, ...]
 
@@ -62,6 +69,27 @@ def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
                 f"tp={tp} does not divide the {n} {what} of this model; use a tp that divides {n}"
             )
     return plan
+
+
+def with_lora(plan: Mapping[str, str], module_names: Iterable[str]) -> dict[str, str]:
+    """`plan` for a decoder layer whose submodules are `module_names`, peft LoRA layers included.
+
+    An entry whose module peft wrapped (it has a ``.base_layer``) moves to the base layer, and
+    the factors ``<sub>.lora_B.<adapter>`` (colwise) or ``<sub>.lora_A.<adapter>`` (rowwise)
+    get the same style; other entries are unchanged.
+    """
+    names = set(module_names)
+    out = {}
+    for sub, style in plan.items():
+        if f"{sub}.base_layer" not in names:
+            out[sub] = style
+            continue
+        out[f"{sub}.base_layer"] = style
+        factor = f"{sub}.{'lora_B' if style == COLWISE else 'lora_A'}."
+        out.update(
+            {n: style for n in names if n.startswith(factor) and "." not in n[len(factor) :]}
+        )
+    return out
 
 
 def param_specs(names: Iterable[str], config: PretrainedConfig, mesh: Mesh) -> dict[str, Specs]:
@@ -87,9 +115,16 @@ def local_specs(tensor: torch.Tensor, specs: Specs, coords: Mapping[str, int], m
 
 def _tp_spec(plan: Mapping[str, str], name: str) -> ShardSpec | None:
     match = _LAYER.match(name)
-    if match is None or match["sub"] not in plan:
+    if match is None:
         return None
-    style, leaf = plan[match["sub"]], match["leaf"]
+    sub, factor = match["sub"], None
+    if lora := _LORA.match(sub):
+        sub, factor = lora["sub"], lora["factor"]
+    if sub not in plan:
+        return None
+    style, leaf = plan[sub], match["leaf"]
+    if factor == ("lora_A" if style == COLWISE else "lora_B"):
+        return None  # the adapter factor on the unsplit side stays whole
     if style == COLWISE:
         return ShardSpec(0, "tp")
     return ShardSpec(1, "tp") if leaf == "weight" else None

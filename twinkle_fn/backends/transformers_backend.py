@@ -1,0 +1,68 @@
+"""The transformers backend ("fsdp"): an HF module, sharded by FSDP2/DTensor on several ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from twinkle_fn.backends import fsdp, hf
+from twinkle_fn.losses import LossOutput
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.model import Model
+from twinkle_fn.optim import apply_updates, current_lr
+from twinkle_fn.optim.base import foreach_mul_
+from twinkle_fn.pytree import tree_global_norm
+from twinkle_fn.state import Grads, TrainState
+
+
+class TransformersBackend:
+    """`twinkle_fn.backends.base.Backend` over `hf` (compute) and `fsdp` (placement)."""
+
+    def prepare(self, model: Model, mesh: Mesh) -> Model:
+        """Shard the module over `mesh` (tp plan, then FSDP2) unless it already is."""
+        if mesh.world_size == 1 or model.placement is not None:
+            return model
+        return fsdp.parallelize(model, mesh)
+
+    def trainable(self, model: Model) -> dict[str, torch.Tensor]:
+        """The module's parameters with ``requires_grad``."""
+        return {n: p for n, p in model.module.named_parameters() if p.requires_grad}
+
+    def loss_of(self, state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+        """See `twinkle_fn.backends.hf.loss_of`."""
+        return hf.loss_of(state, batch)
+
+    def fwd_bwd(
+        self, state: TrainState, batch: Mapping[str, torch.Tensor], accum: Grads | None
+    ) -> tuple[Grads, dict[str, torch.Tensor]]:
+        """See `twinkle_fn.backends.hf.fwd_bwd`."""
+        return hf.fwd_bwd(state, batch, accum)
+
+    def update(self, state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
+        """Normalise by every data rank's tokens, then ``state.tx`` and an in-place apply."""
+        placement = state.model.placement
+        num_tokens = fsdp.all_reduce_dp(grads.num_tokens, placement)
+        loss_sum = fsdp.all_reduce_dp(grads.loss_sum, placement)
+        g = grads.params
+        foreach_mul_(list(g.values()), 1.0 / num_tokens.clamp(min=1).double())
+        grad_norm = tree_global_norm(g)
+        updates, opt_state = state.tx.update(g, state.opt_state, state.params)
+        apply_updates(state.params, updates)
+        new = state.replace(opt_state=opt_state, step=state.step + 1, rng=hf.next_key(state.rng))
+        info = {
+            "loss": loss_sum / num_tokens.clamp(min=1),
+            "grad_norm": grad_norm,
+            "num_tokens": num_tokens,
+            "lr": current_lr(opt_state),
+        }
+        return new, info
+
+    def after_eval(self, model: Model) -> None:
+        """See `twinkle_fn.backends.fsdp.reshard`."""
+        fsdp.reshard(model)
+
+    def unshard(self, state: TrainState) -> dict[str, torch.Tensor]:
+        """See `twinkle_fn.backends.fsdp.unshard`."""
+        return fsdp.unshard(state.params)
