@@ -15,13 +15,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from twinkle_fn.distributed import world_size
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
-from twinkle_fn.models.plans import COLWISE, tp_plan, with_lora
+from twinkle_fn.models.plans import (
+    COLWISE,
+    SEQUENCE_PARALLEL_LAYER,
+    SEQUENCE_PARALLEL_ROOT,
+    tp_plan,
+    with_lora,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,12 +77,15 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
     layers = module.get_decoder().layers
     if mesh.tp > 1:
         plan = tp_plan(module.config, mesh.tp)
+        sp = mesh.sequence_parallel
+        if sp:
+            _check_sequence_parallel(model)
+            parallelize_module(module, dm["tp"], _sp_styles(SEQUENCE_PARALLEL_ROOT))
         for layer in layers:
             layer_plan = with_lora(plan, (n for n, _ in layer.named_modules()))
-            styles = {
-                s: ColwiseParallel() if v == COLWISE else RowwiseParallel()
-                for s, v in layer_plan.items()
-            }
+            styles = {s: _tp_style(v, sp) for s, v in layer_plan.items()}
+            if sp:
+                styles.update(_sp_styles(SEQUENCE_PARALLEL_LAYER))
             parallelize_module(layer, dm["tp"], styles)
     if mesh.data_world_size > 1:
         data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
@@ -83,6 +100,46 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 m.set_force_sum_reduction_for_comms(True)
     placement = Placement(mesh, dm, _dp_group(mesh))
     return dataclasses.replace(model, placement=placement)
+
+
+def _tp_style(style: str, sequence_parallel: bool) -> ParallelStyle:
+    if style == COLWISE:
+        return ColwiseParallel()
+    if sequence_parallel:  # reduce-scatter the output back to sequence shards
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return RowwiseParallel()
+
+
+def _sp_styles(plan: dict[str, str]) -> dict[str, ParallelStyle]:
+    whole, shard = (Replicate(),), (Shard(1),)
+    styles: dict[str, ParallelStyle] = {}
+    for name, kind in plan.items():
+        if kind == "norm":
+            styles[name] = SequenceParallel()
+        elif kind == "scatter":
+            styles[name] = PrepareModuleOutput(
+                output_layouts=whole, desired_output_layouts=shard, use_local_output=False
+            )
+        else:  # "gather": HF passes hidden states by keyword to attention, by position to the rest
+            styles[name] = PrepareModuleInput(
+                input_layouts=shard if name != "self_attn" else None,
+                desired_input_layouts=whole if name != "self_attn" else None,
+                input_kwarg_layouts={"hidden_states": Shard(1)} if name == "self_attn" else None,
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}
+                if name == "self_attn"
+                else None,
+                use_local_output=True,
+            )
+    return styles
+
+
+def _check_sequence_parallel(model: Model) -> None:
+    if model.family == "qwen3_moe":
+        raise ValueError(
+            "sequence_parallel with a MoE model needs the megatron backend; use tp without it here"
+        )
+    if any("lora_" in n for n, _ in model.module.named_parameters()):
+        raise ValueError("sequence_parallel with LoRA adapters is not supported; drop one of them")
 
 
 def all_reduce_dp(t: torch.Tensor, placement: Placement | None) -> torch.Tensor:

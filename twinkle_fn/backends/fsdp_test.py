@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import twinkle_fn as tf
-from twinkle_fn.data import pack
+from twinkle_fn.data import pack, split_features
 from twinkle_fn.distributed import rank
 from twinkle_fn.models.plans import local_specs, param_specs
 from twinkle_fn.testing import random_features, tiny_config
@@ -17,6 +17,7 @@ MESHES = {
     "tp2": {"tp": 2},
     "dp2xtp2": {"dp": 2, "tp": 2},
     "fsdp2xtp2": {"fsdp": 2, "tp": 2},
+    "tp2+sp": {"tp": 2, "sequence_parallel": True},
 }
 
 
@@ -27,15 +28,18 @@ def _state(mesh, family="qwen2", dtype=torch.float64, precision="fp32"):
     return tf.init(model, tx, mesh)
 
 
-def _train(mesh_sizes, family="qwen2", dtype=torch.float64, precision="fp32"):
-    """Train STEPS steps on this rank's slice of each global batch; losses and final params."""
+def _train(mesh_sizes, family="qwen2", dtype=torch.float64, precision="fp32", micro=1):
+    """Train STEPS steps on this rank's slice of each global batch (in `micro` accumulated
+    micro-batches); losses and final params."""
     mesh = tf.Mesh(**mesh_sizes)
     state = _state(mesh, family, dtype, precision)
     losses = []
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
         mine = feats[mesh.get_slice(len(feats), rank())] if mesh.world_size > 1 else feats
-        grads, _ = tf.fwd_bwd(state, pack(mine))
+        grads = None
+        for part in split_features(mine, micro):
+            grads, _ = tf.fwd_bwd(state, pack(part), accum=grads)
         state, info = tf.step(state, grads)
         losses.append(float(info["loss"]))
     return losses, tf.unshard(state)
@@ -148,5 +152,19 @@ def test_tied_embeddings_and_evaluation_between_steps_on_fsdp2():
     ref_evals, ref_params = _train_tied_with_evals({})
     for evals, params in spawn(_train_tied_with_evals, 2, {"fsdp": 2}):
         assert evals == pytest.approx(ref_evals, rel=1e-11)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)
+
+
+def _train_micro(mesh_sizes):
+    return _train(mesh_sizes, micro=2)
+
+
+@pytest.mark.parametrize("name", ["tp2+sp", "fsdp2"])
+def test_accumulated_micro_batches_on_a_mesh_match_one_process(name, reference):
+    """Two micro-batches per rank accumulate into the grads of the whole global batch."""
+    ref_losses, ref_params = reference
+    for losses, params in spawn(_train_micro, 2, MESHES[name]):
+        assert losses == pytest.approx(ref_losses, rel=1e-11)
         for n, p in params.items():
             torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)

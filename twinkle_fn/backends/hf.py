@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
@@ -99,19 +100,28 @@ def fwd_bwd(
         with _seeded(state.rng, micro_index, state.model.device):
             out = loss_of(state, batch)
         out.loss_sum.backward()
-        grads = {
-            n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()
-        }
+        grads = {n: _grad_like(p) for n, p in params.items()}
     finally:
         for p in params.values():
             p.grad = None
-    loss_sum = out.loss_sum.detach().float()
+    loss_sum = out.loss_sum.detach()
     num_tokens = out.num_tokens.detach()
     if accum is not None:
         loss_sum = accum.loss_sum + loss_sum
         num_tokens = accum.num_tokens + num_tokens
     new = Grads(grads, loss_sum, num_tokens, num_micro_batches=micro_index + 1)
     return new, {"loss_sum": out.loss_sum.detach(), "num_tokens": out.num_tokens.detach()}
+
+
+def _grad_like(p: torch.Tensor) -> torch.Tensor:
+    """`p`'s gradient, placed like `p`: zeros when unused, and a sequence-parallel norm's
+    partial sums (each rank saw its slice of the sequence) reduced to the replicated total."""
+    g = p.grad
+    if g is None:
+        return torch.zeros_like(p)
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g
 
 
 def next_key(rng: torch.Tensor) -> torch.Tensor:

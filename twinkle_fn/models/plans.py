@@ -44,6 +44,22 @@ TP_PLANS: dict[str, dict[str, str]] = {
     "qwen3_moe": dict(_ATTENTION),
 }
 
+# Sequence parallelism (with tp): norms run on this rank's slice of the sequence, and the
+# sequence is gathered into the attention and the MLP and scattered back by their rowwise
+# outputs. Styles: "norm" (a norm over the local sequence shard), "gather" (the module's
+# hidden-states input: sequence shards -> whole), "scatter" (the module's output: whole -> shard).
+SEQUENCE_PARALLEL_LAYER: dict[str, str] = {
+    "input_layernorm": "norm",
+    "self_attn": "gather",
+    "post_attention_layernorm": "norm",
+    "mlp": "gather",
+}
+SEQUENCE_PARALLEL_ROOT: dict[str, str] = {
+    "model.embed_tokens": "scatter",
+    "model.norm": "norm",
+    "lm_head": "gather",
+}
+
 _LAYER = re.compile(r"^(?:.*\.)?layers\.\d+\.(?P<sub>.+)\.(?P<leaf>weight|bias)$")
 # peft LoRA submodules of a wrapped linear: its base, or an adapter factor under some name.
 _LORA = re.compile(r"^(?P<sub>.+)\.(?:base_layer|(?P<factor>lora_A|lora_B)\.[^.]+)$")
