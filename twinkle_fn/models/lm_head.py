@@ -26,14 +26,22 @@ class FusedLMHead(torch.nn.Linear):
         """Logits ``[..., vocab]``, or inside `loss_mode` the CE sum over the labelled tokens.
 
         `hidden` is ``[batch, seq, hidden]``; the labels (``[batch, seq]``, already shifted) come
-        from `loss_mode`. The loss runs outside autocast, in the dtype `hidden` arrives in.
+        from `loss_mode`. Under autocast the projection runs in the autocast dtype, as a plain
+        head's matmul would (the residual stream reaching the head is often float32 there); the
+        softmax and the sums accumulate in float32 either way.
         """
         if self._labels is None:
             return super().forward(hidden)
-        weight = self.weight.to(hidden.dtype)
-        bias = None if self.bias is None else self.bias.to(hidden.dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
-            return fused_linear_cross_entropy_sum(hidden, weight, self._labels, bias=bias).loss_sum
+        device = hidden.device.type
+        dtype = (
+            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        )
+        bias = None if self.bias is None else self.bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            out = fused_linear_cross_entropy_sum(
+                hidden.to(dtype), self.weight.to(dtype), self._labels, bias=bias
+            )
+        return out.loss_sum
 
 
 def fuse_lm_head(module: torch.nn.Module) -> FusedLMHead:

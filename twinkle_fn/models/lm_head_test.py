@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from twinkle_fn.losses import cross_entropy_sum
+from twinkle_fn.losses import LossOutput, cross_entropy_sum
 from twinkle_fn.models import from_hf_config
 from twinkle_fn.models.lm_head import FusedLMHead, fuse_lm_head, loss_mode
 from twinkle_fn.testing import tiny_config
@@ -29,3 +29,19 @@ def test_fuse_refuses_a_non_linear_head():
     module.lm_head = torch.nn.Sequential(torch.nn.Linear(32, 96))
     with pytest.raises(TypeError, match="Sequential"):
         fuse_lm_head(module)
+
+
+def test_under_autocast_the_head_projects_in_the_autocast_dtype(monkeypatch):
+    import twinkle_fn.models.lm_head as lm_head
+
+    seen = {}
+
+    def spy(hidden, weight, labels, bias=None):
+        seen["dtypes"] = (hidden.dtype, weight.dtype)
+        return LossOutput(hidden.float().sum(), labels.numel())
+
+    monkeypatch.setattr(lm_head, "fused_linear_cross_entropy_sum", spy)
+    head = FusedLMHead(8, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16), loss_mode(head, torch.zeros(2, 3).long()):
+        head(torch.randn(2, 3, 8))
+    assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)
