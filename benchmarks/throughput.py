@@ -12,7 +12,8 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
   with the distributed optimizer's fp32 master copies, DDP, ``get_forward_backward_func``;
 - ``mcore_sdpa``: the same with twinkle's SDPA layer spec (`twinkle_fn.megatron.model`);
 - ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend, padded batch;
-- ``twinkle_megatron``: the same on the megatron backend, when `twinkle_fn.backends` has it.
+- ``twinkle_megatron``: the same on the megatron backend with its `megatron_optimizer`
+  (megatron-core's distributed optimizer), when `twinkle_fn.backends` has that backend.
 
 Each row warms up, then takes the median of timed steps (the device synchronised around each).
 It reports tokens/s (``batch * seq`` tokens per step), MFU, CUDA peak allocated memory, step
@@ -233,7 +234,7 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
     """Build the row, time it; everything it built is unreachable once this returns."""
     leftover_gib = _allocated_gib(setup.device)  # not 0: an earlier row leaked memory
     with _ROW_BUILDERS[name](setup) as step:
-        seconds, loss = _time(step, warmup, steps, setup.device)
+        seconds, first_loss, last_loss = _time(step, warmup, steps, setup.device)
         peak_gib = _peak_gib(setup.device)
     batch, seq = setup.input_ids.shape
     return {
@@ -241,7 +242,8 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
         "step_ms": 1e3 * seconds,
         "tokens_per_s": batch * seq / seconds,
         "peak_mem_gib": peak_gib,
-        "last_loss": loss,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
         "leftover_gib": leftover_gib,
     }
 
@@ -254,19 +256,24 @@ def _skip_reason(name: str, device: torch.device) -> str | None:
     return None
 
 
-def _time(step: Step, warmup: int, steps: int, device: torch.device) -> tuple[float, float]:
-    """Median seconds per step after warm-up (device synchronised around each) and last loss."""
-    for _ in range(warmup):
+def _time(step: Step, warmup: int, steps: int, device: torch.device) -> tuple[float, float, float]:
+    """``(median seconds per timed step, first loss, last loss)``.
+
+    The first warm-up step's loss is read on the host (warm-up is not timed); each timed step is
+    bracketed by device synchronisations.
+    """
+    first = float(step())
+    for _ in range(warmup - 1):
         step()
     samples = []
-    loss = torch.zeros(())
+    loss = torch.tensor(first)
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
         loss = step()
         _sync(device)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples), float(loss)
+    return statistics.median(samples), first, float(loss)
 
 
 def _sync(device: torch.device) -> None:
@@ -320,6 +327,7 @@ def _hf_compiled(setup: Setup) -> Iterator[Step]:
 
 def _hf_step(setup: Setup, compile_scope: str | None) -> Step:
     device, ids = setup.device, setup.input_ids
+    torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(
             setup.config, dtype=torch.float32, attn_implementation="sdpa"
@@ -451,10 +459,7 @@ def _twinkle_step(setup: Setup, backend: str) -> Step:
         model = tf.models.from_hf_config(
             setup.config, backend=backend, precision="bf16", device=setup.device, seed=0
         )
-    tx = tf.optim.chain(
-        tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw(_LR, weight_decay=_WEIGHT_DECAY)
-    )
-    holder = [tf.init(model, tx)]
+    holder = [tf.init(model, _twinkle_optimizer(backend))]
     batch = padded_batch(setup.input_ids)
 
     def step() -> torch.Tensor:
@@ -463,6 +468,18 @@ def _twinkle_step(setup: Setup, backend: str) -> Step:
         return info["loss"]
 
     return step
+
+
+def _twinkle_optimizer(backend: str) -> tf.optim.GradientTransformation:
+    """AdamW with clipping: the optax-style chain, or on the megatron backend the transform its
+    docs name for it (megatron-core's distributed optimizer, as in the ``mcore_*`` rows)."""
+    if backend == "megatron":
+        from twinkle_fn.backends.megatron import megatron_optimizer
+
+        return megatron_optimizer(_LR, weight_decay=_WEIGHT_DECAY, clip_grad=_CLIP)
+    return tf.optim.chain(
+        tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw(_LR, weight_decay=_WEIGHT_DECAY)
+    )
 
 
 def padded_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -554,7 +571,7 @@ def _print_row(name: str, row: dict[str, Any]) -> None:
     if row["status"] == "ok":
         print(
             f"{name}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms']:.1f} ms/step, "
-            f"last loss {row['last_loss']:.3f}",
+            f"loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}",
             flush=True,
         )
     else:
@@ -585,14 +602,21 @@ def _print_table(result: dict) -> None:
         print(" | ".join(cells))
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=tuple(SHAPES), default="qwen2.5-0.5b")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=_positive_int, default=2048)
+    p.add_argument("--batch", type=_positive_int, default=8)
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=_positive_int, default=10)
+    p.add_argument("--warmup", type=_positive_int, default=3)
     p.add_argument("--compile", choices=("model", "layer"), default="model")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--peak-flops", type=float, default=None, help="default: 989e12 on H100/H200")

@@ -32,13 +32,18 @@ def test_cpu_run_reports_every_row_and_writes_the_same_json(cpu_run):
     assert megatron_row == ("ok" if "megatron" in backends.names() else "skipped")
 
 
-@pytest.mark.parametrize("name", ["hf_loop", "mcore_local", "mcore_sdpa", "twinkle_fsdp"])
+@pytest.mark.parametrize(
+    "name", ["hf_loop", "mcore_local", "mcore_sdpa", "twinkle_fsdp", "twinkle_megatron"]
+)
 def test_cpu_rows_train_the_same_task(cpu_run, name):
     """Every row starts from a random init, so its loss is about ln(vocab) (0.1: init noise)."""
+    if name == "twinkle_megatron" and "megatron" not in backends.names():
+        pytest.skip("no megatron backend in twinkle_fn.backends")
     row = cpu_run[0]["rows"][name]
     assert row["status"] == "ok", row
     assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
     assert row["mfu"] is None and row["peak_mem_gib"] is None  # no peak FLOP/s or CUDA on CPU
+    assert row["first_loss"] == pytest.approx(math.log(512), abs=0.1)
     assert row["last_loss"] == pytest.approx(math.log(512), abs=0.1)
     assert row["x_hf_compiled"] is None and row["mem_vs_hf_compiled"] is None
 
