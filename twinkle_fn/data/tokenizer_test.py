@@ -28,14 +28,15 @@ def test_vocab_is_small_with_specials_first(tok):
 def test_ascii_round_trip_one_token_per_character(tok):
     ids = tok(ASCII_TEXT, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(ASCII_TEXT)
-    assert tok.convert_ids_to_tokens(ids) == list(ASCII_TEXT)
+    assert [tok.decode([i]) for i in ids] == list(ASCII_TEXT)
     assert tok.decode(ids) == ASCII_TEXT
     assert tok.decode(tok("  a  .  b ,c")["input_ids"]) == "  a  .  b ,c"
 
 
 def test_unknown_characters_map_to_unk(tok):
+    # byte-level: "é" is two UTF-8 bytes, "\r" one; each unknown byte is one <|unk|>
     ids = tok("aé\rb", add_special_tokens=False)["input_ids"]
-    assert ids == [tok.convert_tokens_to_ids("a"), 4, 4, tok.convert_tokens_to_ids("b")]
+    assert ids == [tok.convert_tokens_to_ids("a"), 4, 4, 4, tok.convert_tokens_to_ids("b")]
 
 
 def test_special_tokens_are_single_tokens_in_text(tok):
@@ -66,3 +67,17 @@ def test_save_and_reload_offline_is_identical(tok, tmp_path):
     assert loaded.apply_chat_template(CONVERSATION, tokenize=False) == tok.apply_chat_template(
         CONVERSATION, tokenize=False
     )
+
+
+def test_reloads_identically_next_to_a_qwen2_config(tmp_path):
+    """transformers picks the tokenizer class from config.json's model type (Qwen2Tokenizer);
+    the checkpoint `twinkle train` writes must still tokenize exactly as in training."""
+    from transformers import AutoTokenizer, Qwen2Config
+
+    tok = char_tokenizer()
+    tok.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(tok)).save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    text = "What is 12 + 34?\n<|im_start|>assistant\n46<|im_end|>\n\tok"
+    assert again(text).input_ids == tok(text).input_ids
+    assert again.decode(again(text).input_ids) == text
