@@ -1,0 +1,62 @@
+"""Write a tiny random-init Qwen3 model with a character tokenizer into a directory.
+
+The cookbook scripts run upstream Twinkle's examples on CPU with no download: this is the
+"model id" they load (a local HF directory: config.json, safetensors weights, tokenizer)::
+
+    python cookbook/make_tiny_model.py /tmp/tiny-qwen3
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from twinkle_fn.data import char_tokenizer
+
+
+def make_tiny_model(
+    path: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0
+) -> Path:
+    """Save a `num_layers`-layer Qwen3 of width `hidden_size` (random weights from `seed`) and
+    the character-level ChatML tokenizer to `path`; returns the path.
+
+    Qwen3 rather than Qwen2: transformers' ``AutoTokenizer`` replaces the saved tokenizer of a
+    ``qwen2`` directory by its byte-level ``Qwen2Tokenizer``, which drops the whitespace the
+    character vocabulary encodes; for ``qwen3`` it loads the tokenizer that was saved.
+    """
+    tokenizer = char_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        head_dim=hidden_size // 4,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="directory to write")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    args = parser.parse_args()
+    make_tiny_model(args.path, args.hidden_size, args.num_layers)
+
+
+if __name__ == "__main__":
+    main()

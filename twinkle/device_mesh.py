@@ -1,0 +1,315 @@
+"""`DeviceMesh`: upstream Twinkle's mesh object, as a view of `twinkle_fn.Mesh`.
+
+The sizes live in a `twinkle_fn.Mesh` (the ``mesh`` property), so the class API and the core agree
+on every rank's coordinates. Ranks follow the core's Megatron order (``tp-cp-fsdp-dp-pp``, tp
+fastest) rather than upstream's numpy layout (``fsdp, pp, dp, cp, tp``); what a rank trains on is
+the same in both: ``data_rank = dp_rank * fsdp_size + fsdp_rank`` over ``data_world_size = dp *
+fsdp`` data shards.
+
+Differences from upstream, all deliberate: an axis that was not set reports size 1 and rank 0
+(upstream: size 0 and rank None); ``get_slice`` refuses a batch smaller than the number of data
+ranks (upstream hands some ranks nothing); ``vpp_size > 1`` (upstream marks VPP as broken) and
+``ulysses_size > 1`` (no Ulysses sequence parallelism in the core) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch.distributed as dist
+
+from twinkle_fn.mesh import Mesh
+
+_AXES = ("dp", "fsdp", "tp", "pp", "cp")
+
+
+def current_rank() -> int:
+    """This process's global rank: torch.distributed's, else the launcher's ``RANK``, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _optional_size(name: str, value: int | None) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMesh:
+    """The parallel layout of a job: a `twinkle_fn.Mesh` plus upstream's extra attributes.
+
+    Build it with `from_sizes` (or from a `twinkle_fn.Mesh` directly). ``device_type`` is kept
+    for upstream compatibility; the core picks CUDA when it is available.
+    """
+
+    mesh: Mesh = dataclasses.field(default_factory=Mesh)
+    device_type: str | None = None
+    ulysses_size: int | None = None
+    vpp_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh):
+            raise TypeError(f"mesh must be a twinkle_fn.Mesh, got {type(self.mesh).__name__}")
+        if _optional_size("vpp_size", self.vpp_size) > 1:
+            raise ValueError(
+                f"vpp_size={self.vpp_size}: virtual pipeline parallelism is not supported "
+                "(upstream Twinkle documents it as broken); leave vpp_size unset"
+            )
+        if _optional_size("ulysses_size", self.ulysses_size) > 1:
+            raise ValueError(
+                f"ulysses_size={self.ulysses_size}: Ulysses sequence parallelism is not "
+                "supported by this build; leave ulysses_size unset (tp_size with "
+                "sequence_parallel=True splits sequences across tensor-parallel ranks)"
+            )
+
+    @staticmethod
+    def from_sizes(
+        *,
+        world_size: int = 1,
+        dp_size: int | None = 1,
+        fsdp_size: int | None = None,
+        tp_size: int | None = None,
+        pp_size: int | None = None,
+        ulysses_size: int | None = None,
+        cp_size: int | None = None,
+        ep_size: int | None = None,
+        etp_size: int | None = 1,
+        vpp_size: int | None = None,
+        device_type: str | None = None,
+        sequence_parallel: bool = False,
+    ) -> DeviceMesh:
+        """The mesh with these sizes (unset ones are 1), as upstream's ``from_sizes``.
+
+        With the default ``world_size=1`` the world is the product of the sizes; a larger
+        `world_size` must equal that product, or, with ``dp_size=None``, dp fills the rest.
+        Raises ``ValueError`` for sizes that do not multiply to `world_size`, for
+        ``vpp_size > 1`` or ``ulysses_size > 1``, and for what `twinkle_fn.Mesh` rejects.
+        """
+        sizes = {
+            "fsdp": _optional_size("fsdp_size", fsdp_size),
+            "tp": _optional_size("tp_size", tp_size),
+            "pp": _optional_size("pp_size", pp_size),
+            "cp": _optional_size("cp_size", cp_size),
+            "ep": _optional_size("ep_size", ep_size),
+            "etp": _optional_size("etp_size", etp_size),
+        }
+        extra = {"ulysses_size": ulysses_size, "vpp_size": vpp_size, "device_type": device_type}
+        if dp_size is None:
+            return DeviceMesh(
+                Mesh.from_world(world_size, **sizes, sequence_parallel=sequence_parallel), **extra
+            )
+        mesh = Mesh(
+            dp=_optional_size("dp_size", dp_size), **sizes, sequence_parallel=sequence_parallel
+        )
+        if world_size != 1 and world_size != mesh.world_size:
+            desc = " x ".join(f"{a}={getattr(mesh, a)}" for a in _AXES if getattr(mesh, a) > 1)
+            raise ValueError(
+                f"world_size={world_size} but the sizes give {desc or 'dp=1'} = "
+                f"{mesh.world_size} ranks; make their product {world_size}, or pass "
+                "dp_size=None to let dp fill the world"
+            )
+        return DeviceMesh(mesh, **extra)
+
+    # Sizes.
+    @property
+    def world_size(self) -> int:
+        """Ranks in the mesh: ``dp * fsdp * tp * pp * cp``."""
+        return self.mesh.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Replicas (the ``dp`` axis)."""
+        return self.mesh.dp
+
+    @property
+    def fsdp_world_size(self) -> int:
+        """Shards of the fully sharded data-parallel axis."""
+        return self.mesh.fsdp
+
+    @property
+    def tp_world_size(self) -> int:
+        """Tensor-parallel size."""
+        return self.mesh.tp
+
+    @property
+    def pp_world_size(self) -> int:
+        """Pipeline stages."""
+        return self.mesh.pp
+
+    @property
+    def cp_world_size(self) -> int:
+        """Context-parallel size."""
+        return self.mesh.cp
+
+    @property
+    def ep_world_size(self) -> int:
+        """Expert-parallel size (laid over the same ranks)."""
+        return self.mesh.ep
+
+    @property
+    def etp_world_size(self) -> int:
+        """Expert tensor-parallel size."""
+        return self.mesh.etp
+
+    @property
+    def ep_size(self) -> int:
+        """Upstream's attribute name for the expert-parallel size."""
+        return self.mesh.ep
+
+    @property
+    def etp_size(self) -> int:
+        """Upstream's attribute name for the expert tensor-parallel size."""
+        return self.mesh.etp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Megatron-style sequence parallelism over the tensor-parallel group."""
+        return self.mesh.sequence_parallel
+
+    @property
+    def data_world_size(self) -> int:
+        """Distinct data shards: ``dp * fsdp``."""
+        return self.mesh.data_world_size
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Axes of size > 1 in upstream's order (``fsdp, pp, dp, cp, tp``); dp always."""
+        return tuple(a for a in ("fsdp", "pp", "dp", "cp", "tp") if a == "dp" or self.has_dim(a))
+
+    @property
+    def order(self) -> str:
+        """Megatron's rank order, as upstream reports it."""
+        return "tp-cp-ep-dp-pp"
+
+    @property
+    def is_single_process(self) -> bool:
+        """One rank and no launcher around it."""
+        return self.world_size == 1 and "RANK" not in os.environ
+
+    def has_dim(self, dim_name: str) -> bool:
+        """Whether axis `dim_name` has size > 1 (``dp`` is always present)."""
+        return dim_name == "dp" or self.get_dim_size(dim_name) > 1
+
+    def get_dim_size(self, dim_name: str) -> int:
+        """Size of axis `dim_name`. Raises ``ValueError`` for an unknown axis."""
+        if dim_name not in (*_AXES, "ep", "etp"):
+            raise ValueError(f"unknown mesh axis {dim_name!r}; use one of {', '.join(_AXES)}, ep")
+        return getattr(self.mesh, dim_name)
+
+    # This process's coordinates.
+    def _coord(self, axis: str) -> int:
+        return self.mesh.coords(self._own_rank())[axis]
+
+    def _own_rank(self) -> int:
+        rank = current_rank()
+        if not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"this process is rank {rank} but the mesh has {self.world_size} ranks; "
+                f"launch {self.world_size} processes or build a mesh for this world"
+            )
+        return rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's replica index."""
+        return self._coord("dp")
+
+    @property
+    def fsdp_rank(self) -> int:
+        """This process's shard index on the fsdp axis."""
+        return self._coord("fsdp")
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's tensor-parallel index."""
+        return self._coord("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        """This process's pipeline stage."""
+        return self._coord("pp")
+
+    @property
+    def cp_rank(self) -> int:
+        """This process's context-parallel index."""
+        return self._coord("cp")
+
+    @property
+    def ep_rank(self) -> int:
+        """This process's expert-parallel index."""
+        return self.mesh.expert_coords(self._own_rank())["ep"]
+
+    @property
+    def data_rank(self) -> int:
+        """This process's data shard: ``dp_rank * fsdp_size + fsdp_rank``."""
+        return self.mesh.data_rank(self._own_rank())
+
+    def get_data_rank_from_global_rank(self, global_rank: int) -> int:
+        """The data shard of `global_rank`. Raises ``ValueError`` if it is out of range."""
+        return self.mesh.data_rank(global_rank)
+
+    def get_slice(self, total_length: int, rank: int | None = None) -> slice:
+        """The contiguous part of a global batch of `total_length` that data rank `rank` gets.
+
+        `rank` is a *data* rank (default: this process's), as upstream; the split is a divmod,
+        the first ``total_length % data_world_size`` data ranks getting one extra item. Raises
+        ``ValueError`` when some data rank would get nothing or `rank` is out of range.
+        """
+        n = self.data_world_size
+        if rank is None:
+            rank = self.data_rank if n > 1 else 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"data rank {rank!r} is out of range for {n} data ranks")
+        fsdp_index, dp_index = rank % self.mesh.fsdp, rank // self.mesh.fsdp
+        return self.mesh.get_slice(total_length, self.mesh.rank(dp=dp_index, fsdp=fsdp_index))
+
+    def get_collect_ranks(self) -> list[int]:
+        """One global rank per data rank (tp/cp rank 0 of the last pipeline stage)."""
+        last = self.pp_world_size - 1
+        return [
+            self.mesh.rank(dp=d // self.mesh.fsdp, fsdp=d % self.mesh.fsdp, pp=last)
+            for d in range(self.data_world_size)
+        ]
+
+    def get_tp_ranks(self) -> list[int]:
+        """The ranks of this process's tensor-parallel group."""
+        return self.mesh.groups_of(self._own_rank())["tp"]
+
+    def get_tp_last_ranks(self) -> list[int]:
+        """Every rank that is the last of its tensor-parallel group."""
+        return [r for r in range(self.world_size) if self.mesh.is_tp_last(r)]
+
+    def is_tp_last_rank(self, rank: int | None = None) -> bool:
+        """Whether `rank` (default: this process) is the last of its tensor-parallel group."""
+        return self.mesh.is_tp_last(self._own_rank() if rank is None else rank)
+
+    def get_pp_stage_ranks(self, stage: int) -> list[int]:
+        """The ranks of pipeline stage `stage`. Raises ``ValueError`` for a stage out of range."""
+        if not 0 <= stage < self.pp_world_size:
+            raise ValueError(f"stage {stage} is out of range for {self.pp_world_size} stages")
+        return [r for r in range(self.world_size) if self.mesh.coords(r)["pp"] == stage]
+
+    def get_pp_first_ranks(self) -> list[int]:
+        """The ranks of the first pipeline stage."""
+        return self.get_pp_stage_ranks(0)
+
+    def get_pp_last_ranks(self) -> list[int]:
+        """The ranks of the last pipeline stage."""
+        return self.get_pp_stage_ranks(self.pp_world_size - 1)
+
+    def is_pp_first_rank(self) -> bool:
+        """Whether this process is on the first pipeline stage."""
+        return self.mesh.is_pp_first(self._own_rank())
+
+    def is_pp_last_rank(self) -> bool:
+        """Whether this process is on the last pipeline stage."""
+        return self.mesh.is_pp_last(self._own_rank())
+
+    def __str__(self) -> str:
+        desc = " x ".join(f"{a}={self.get_dim_size(a)}" for a in self.mesh_dim_names)
+        return f"DeviceMesh({desc}, world_size={self.world_size})"

@@ -1,0 +1,183 @@
+"""Upstream optimizer and lr-scheduler names -> `twinkle_fn.optim` transforms and schedules.
+
+Upstream passes a ``torch.optim`` class (or its name) and a ``torch.optim.lr_scheduler`` class
+(or one of Twinkle's). Here each known name maps onto the functional core: an optax-style
+transform whose learning rate is a schedule of the number of updates applied, which is exactly
+when a torch scheduler stepped once per optimizer step would change it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import twinkle_fn as tf
+from twinkle_fn.optim import GradientTransformation, Schedule
+
+DEFAULT_LR = 1e-5
+DEFAULT_WEIGHT_DECAY = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """A chosen optimizer: its name, base learning rate and the transform's other arguments."""
+
+    name: str
+    lr: float
+    kwargs: dict[str, Any]
+
+    def transform(self, lr: float | Schedule) -> GradientTransformation:
+        """The transform with learning rate `lr` (a float or a schedule)."""
+        make = tf.optim.adamw if self.name == "AdamW" else tf.optim.sgd
+        return make(lr, **self.kwargs)
+
+
+def _adamw(
+    lr: float = DEFAULT_LR,
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    amsgrad: bool = False,
+) -> OptimizerSpec:
+    if amsgrad:
+        raise ValueError("AdamW(amsgrad=True) is not supported; use amsgrad=False")
+    b1, b2 = betas
+    return OptimizerSpec("AdamW", lr, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def _sgd(
+    lr: float = DEFAULT_LR,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    nesterov: bool = False,
+) -> OptimizerSpec:
+    if dampening:
+        raise ValueError(f"SGD(dampening={dampening}) is not supported; use dampening=0")
+    return OptimizerSpec(
+        "SGD", lr, dict(momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    )
+
+
+# Decay applies to matrices only (biases and norms excluded), as upstream's parameter groups.
+OPTIMIZERS: dict[str, Callable[..., OptimizerSpec]] = {
+    "AdamW": _adamw,
+    "default": _adamw,
+    "SGD": _sgd,
+}
+
+
+def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> OptimizerSpec:
+    """The optimizer named by `optimizer_cls` (a name, or ``torch.optim.AdamW``/``SGD``) with
+    torch's keyword arguments (``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum``...).
+
+    Raises ``ValueError`` for an unknown optimizer (listing the known ones) or an unsupported
+    setting, ``TypeError`` for an argument the optimizer does not take.
+    """
+    name = _name(optimizer_cls)
+    if name not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)} "
+            "(torch.optim.AdamW and torch.optim.SGD by class too)"
+        )
+    if "params" in kwargs:
+        raise ValueError(
+            "set_optimizer(params=...) is not supported: the trainable parameters are the "
+            "model's (or its adapter's), with weight decay on matrices only"
+        )
+    spec = OPTIMIZERS[name](**kwargs)
+    spec.transform(spec.lr)  # check the hyper-parameters now, not at the first step
+    return spec
+
+
+def _cosine_warmup(
+    lr: float, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5
+) -> Schedule:
+    if num_cycles != 0.5:
+        raise ValueError(f"CosineWarmupScheduler(num_cycles={num_cycles}) supports 0.5 only")
+    return tf.schedules.warmup_cosine(lr, num_warmup_steps, num_training_steps)
+
+
+def _linear_warmup(lr: float, num_warmup_steps: int, num_training_steps: int) -> Schedule:
+    return tf.schedules.warmup_linear(lr, num_warmup_steps, num_training_steps)
+
+
+def _param_scheduler(
+    lr: float,
+    lr_decay_steps: int,
+    max_lr: float | None = None,
+    lr_warmup_steps: int = 0,
+    lr_decay_style: str = "cosine",
+    min_lr: float = 0.0,
+    init_lr: float = 0.0,
+    wsd_decay_steps: int | None = None,
+    lr_wsd_decay_style: str | None = None,
+) -> Schedule:
+    return tf.schedules.megatron(
+        lr_decay_style,
+        lr if max_lr is None else max_lr,
+        min_lr,
+        lr_warmup_steps,
+        lr_decay_steps,
+        init_lr,
+        wsd_decay_steps,
+        lr_wsd_decay_style,
+    )
+
+
+def _cosine_annealing(lr: float, T_max: int, eta_min: float = 0.0) -> Schedule:
+    return tf.schedules.megatron("cosine", lr, eta_min, 0, T_max)
+
+
+def _linear_lr(
+    lr: float, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5
+) -> Schedule:
+    if end_factor != 1.0:
+        raise ValueError(f"LinearLR(end_factor={end_factor}) supports end_factor=1.0 only")
+    return tf.schedules.constant(lr, warmup_steps=total_iters, init_lr=start_factor * lr)
+
+
+# Within the training horizon each equals its torch/Twinkle namesake; past it, the core's
+# schedules stay at the minimum where torch's cosine climbs back.
+SCHEDULERS: dict[str, Callable[..., Schedule]] = {
+    "CosineWarmupScheduler": _cosine_warmup,
+    "LinearWarmupScheduler": _linear_warmup,
+    "default": _param_scheduler,
+    "OptimizerParamScheduler": _param_scheduler,
+    "CosineAnnealingLR": _cosine_annealing,
+    "LinearLR": _linear_lr,
+}
+
+
+def schedule(scheduler_cls: Any, lr: float, **kwargs: Any) -> Schedule:
+    """The learning-rate schedule named by `scheduler_cls`, peaking at the optimizer's `lr`.
+
+    Raises ``ValueError`` for an unknown scheduler (listing the known ones) or arguments the
+    schedule rejects, ``TypeError`` for an argument it does not take.
+    """
+    name = _name(scheduler_cls)
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown lr scheduler {name!r}; known: {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[name](lr, **kwargs)
+
+
+def transform(
+    optimizer: OptimizerSpec, lr: float | Schedule, max_grad_norm: float | None
+) -> GradientTransformation:
+    """Clip by global norm (unless `max_grad_norm` is None or inf), then the optimizer.
+
+    Both variants have the same (leafless) clip state, so a state built with one steps with the
+    other: clipping is chosen per step, as upstream's ``clip_grad_norm`` call. Raises
+    ``ValueError`` for a `max_grad_norm` that is not a positive finite number (or inf).
+    """
+    if max_grad_norm is None or max_grad_norm == math.inf:
+        clip = tf.optim.chain()
+    else:
+        clip = tf.optim.clip_by_global_norm(max_grad_norm)
+    return tf.optim.chain(clip, optimizer.transform(lr))
+
+
+def _name(cls_or_name: Any) -> str:
+    return cls_or_name if isinstance(cls_or_name, str) else getattr(cls_or_name, "__name__", "")

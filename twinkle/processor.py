@@ -1,0 +1,98 @@
+"""`InputProcessor`: a list of features -> the padded or packed batch `twinkle_fn` trains on."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from twinkle.device_mesh import DeviceMesh
+from twinkle_fn.data import pack, pad_collate
+
+FRAMEWORKS = ("transformers",)
+
+
+class InputProcessor:
+    """Collates features (``input_ids`` and already-shifted ``labels``) into a batch.
+
+    Right padding (``input_ids``/``labels``/``attention_mask``/``position_ids``, each
+    ``[batch, seq]``) with `pad_collate`, or with ``padding_free=True`` one packed row
+    (``[1, total]`` plus ``cu_seqlens``) with `pack`. A feature's own ``attention_mask`` and
+    ``position_ids`` are rebuilt (positions 0..n-1 per sample), and upstream's detection of
+    pre-packed rows from resetting ``position_ids`` is not done: pass ``padding_free=True``.
+    `device_mesh` is kept for upstream compatibility (the core slices nothing per sample).
+    Raises ``ValueError`` for ``padding_side='left'`` and for a framework other than
+    ``'transformers'``.
+    """
+
+    def __init__(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        padding_free: bool = False,
+        framework: str = "transformers",
+        padding_side: str = "right",
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int | None = None,
+    ) -> None:
+        if framework not in FRAMEWORKS:
+            raise ValueError(
+                f"framework={framework!r} is not available in this build; use 'transformers'"
+            )
+        if padding_side != "right":
+            raise ValueError(f"padding_side must be 'right', got {padding_side!r}")
+        if not isinstance(padding_free, bool):
+            raise ValueError(f"padding_free must be a bool, got {padding_free!r}")
+        self.device_mesh = device_mesh
+        self.padding_free = padding_free
+        self.framework = framework
+        self.padding_side = padding_side
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(
+        self, inputs: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> dict[str, torch.Tensor]:
+        """The batch for `inputs`: features (a list, or one dict) or an already-collated batch.
+
+        A dict whose ``input_ids`` is a 2-D tensor is taken as a collated batch and returned as
+        it is. Raises ``TypeError``/``ValueError`` for malformed features (see
+        `twinkle_fn.data.check_features`).
+        """
+        if isinstance(inputs, Mapping):
+            ids = inputs.get("input_ids")
+            if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                return dict(inputs)
+            inputs = [inputs]
+        features = [_as_lists(f) for f in inputs]
+        if self.padding_free:
+            return pack(features)
+        return pad_collate(features, self.pad_token_id, self.pad_to_multiple_of)
+
+
+def unpack(values: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Per-token `values` of `batch` as ``[n_seq, max_len]`` (zeros past each sample's end).
+
+    `values` is ``[batch, seq]``: returned as is for a padded batch; for a packed one
+    (``[1, total]`` with ``cu_seqlens``) each sample's span becomes one row.
+    """
+    if "cu_seqlens" not in batch:
+        return values
+    bounds = batch["cu_seqlens"].tolist()
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    out = values.new_zeros(len(lengths), max(lengths))
+    for row, (start, n) in enumerate(zip(bounds[:-1], lengths, strict=True)):
+        out[row, :n] = values[0, start : start + n]
+    return out
+
+
+def _as_lists(feature: Any) -> dict[str, Any]:
+    """`feature` with tensor/array ``input_ids``/``labels`` turned into lists of ints."""
+    if not isinstance(feature, Mapping):
+        raise TypeError(f"a feature must be a dict, got {type(feature).__name__}")
+    out = dict(feature)
+    for key in ("input_ids", "labels"):
+        if hasattr(out.get(key), "tolist"):
+            out[key] = out[key].tolist()
+    return out
