@@ -52,6 +52,7 @@ def save(
     ``TypeError`` for non-JSON `extra`.
     """
     state.check_alive()
+    _check_backend(state)
     path = Path(path)
     extra = extra or {}
     json.dumps(extra)
@@ -109,6 +110,7 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
     every rank must call it. Raises ``ValueError`` for an incomplete or incompatible checkpoint
     (missing manifest, other trainable parameters, another optimizer's state).
     """
+    _check_backend(state)
     path = Path(path)
     manifest = _manifest(path)
     saved = torch.load(path / STATE_FILE, weights_only=True)
@@ -136,6 +138,14 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
         for dst, src in zip(tree_leaves(new.opt_state), saved["opt_leaves"], strict=True):
             copy_into_shard(dst, src)
     return new.replace(step=saved["step"].clone(), rng=saved["rng"].clone())
+
+
+def _check_backend(state: TrainState) -> None:
+    if state.model.backend != "fsdp":
+        raise ValueError(
+            f"checkpoints of {state.model.backend!r} states are not supported yet (megatron's "
+            "dist_checkpointing is not wired in); export weights with tf.unshard meanwhile"
+        )
 
 
 def _dcp_state(state: TrainState) -> dict[str, dict[str, torch.Tensor]]:

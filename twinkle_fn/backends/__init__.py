@@ -9,6 +9,7 @@ from twinkle_fn.backends.base import Backend
 # name -> (module, attribute); imported on first use so megatron-core loads only when needed.
 _REGISTRY = {
     "fsdp": ("twinkle_fn.backends.transformers_backend", "TransformersBackend"),
+    "megatron": ("twinkle_fn.backends.megatron", "MegatronBackend"),
 }
 
 

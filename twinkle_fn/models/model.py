@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,14 @@ class Model:
 
     ``module``: the transformers model (parameters in ``param_dtype``, usually float32 master
     weights). ``family``: its ``model_type``. ``backend``: ``"fsdp"`` (the transformers backend,
-    which on one process runs the module as is). ``compute_dtype``: the autocast dtype of the
-    forward pass (``torch.float32`` means no autocast). ``placement``: None on one process,
-    else the backend's description of the mesh the module is sharded over.
+    which on one process runs the module as is) or ``"megatron"`` (which builds megatron-core's
+    ``GPTModel`` from the module's config and weights when a state is initialised).
+    ``compute_dtype``: the autocast dtype of the forward pass (``torch.float32`` means no
+    autocast). ``placement``: None on one process, else the backend's description of the mesh
+    the module is sharded over. ``options``: backend settings (the megatron backend's are listed
+    in `twinkle_fn.backends.megatron`). ``weights_dir``: a local HF checkpoint directory that
+    the megatron backend reads each rank's slices from; the module is then a skeleton on the
+    meta device.
     """
 
     module: torch.nn.Module
@@ -37,6 +43,8 @@ class Model:
     backend: str = "fsdp"
     compute_dtype: torch.dtype = torch.float32
     placement: Any = None  # set by a multi-rank backend: where the module's shards live
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    weights_dir: Path | None = None
 
     @property
     def config(self) -> PretrainedConfig:
@@ -57,14 +65,15 @@ def from_hf_config(
     device: str | torch.device | None = None,
     seed: int | None = None,
     activation_checkpointing: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> Model:
     """Build a randomly initialised causal LM of a supported family from an HF config.
 
     `config` is a ``PretrainedConfig`` or a dict with a ``model_type`` key. `precision` is the
     compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (parameters stay float32 master weights).
     `seed` seeds the initialisation. `activation_checkpointing` recomputes each decoder layer's
-    activations in backward instead of storing them. Raises ``ValueError`` for an unknown
-    family, backend or precision.
+    activations in backward instead of storing them. `options` are backend settings (see
+    `Model`). Raises ``ValueError`` for an unknown family, backend or precision.
     """
     if isinstance(config, dict):
         if "model_type" not in config:
@@ -76,7 +85,7 @@ def from_hf_config(
     if seed is not None:
         torch.manual_seed(seed)
     module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return _model(module, family, backend, compute_dtype, device, activation_checkpointing)
+    return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)
 
 
 def from_pretrained(
@@ -86,21 +95,37 @@ def from_pretrained(
     precision: str = "fp32",
     device: str | torch.device | None = None,
     activation_checkpointing: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> Model:
     """Load a causal LM of a supported family from a local HF directory or a hub id.
 
     `model_id` is a directory with ``config.json`` and safetensors weights, or ``hf://org/name`` /
-    ``ms://org/name`` (downloaded only when that hub is reachable). `precision` and
-    `activation_checkpointing` are as in `from_hf_config`. Raises ``ValueError`` when the
-    directory has no ``config.json``, the family is unknown, or a hub id cannot be fetched.
+    ``ms://org/name`` (downloaded only when that hub is reachable). `precision`,
+    `activation_checkpointing` and `options` are as in `from_hf_config`. With
+    ``backend="megatron"`` nothing is loaded here: each rank reads its own slices of the files
+    when the state is initialised. Raises ``ValueError`` when the directory has no
+    ``config.json``, the family is unknown, or a hub id cannot be fetched.
     """
     path = resolve_model_dir(model_id)
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
     _check_backend(backend)
     compute_dtype = _dtype(precision)
+    if backend == "megatron":
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return _model(
+            skeleton,
+            family,
+            backend,
+            compute_dtype,
+            device,
+            activation_checkpointing,
+            options,
+            path,
+        )
     module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return _model(module, family, backend, compute_dtype, device, activation_checkpointing)
+    return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)
 
 
 def _model(
@@ -110,12 +135,26 @@ def _model(
     compute_dtype: torch.dtype,
     device: str | torch.device | None,
     activation_checkpointing: bool,
+    options: Mapping[str, Any] | None = None,
+    weights_dir: Path | None = None,
 ) -> Model:
     fuse_lm_head(module)
     module.train()  # from_pretrained returns eval mode; training wants dropout as configured
     if activation_checkpointing:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return Model(module.to(device or _default_device()), family, backend, compute_dtype)
+    if weights_dir is None:
+        # The megatron backend builds its own model: the HF module only lends it initial
+        # weights, so it stays on the CPU unless asked otherwise.
+        default = torch.device("cpu") if backend == "megatron" else _default_device()
+        module = module.to(device or default)
+    return Model(
+        module,
+        family,
+        backend,
+        compute_dtype,
+        options=dict(options or {}),
+        weights_dir=weights_dir,
+    )
 
 
 def resolve_model_dir(model_id: str | os.PathLike[str]) -> Path:

@@ -1,0 +1,300 @@
+"""A training step's megatron-specific pieces: micro-batches, the loss, the pipeline schedule.
+
+- `micro_batches` turns a twinkle batch (padded ``[B, T]`` from ``pad_collate`` or packed
+  ``[1, T]`` with ``cu_seqlens`` from ``pack``, labels already shifted) into ``GPTModel``
+  inputs, split into micro-batches; packed ones become THD ``PackedSeqParams``.
+- `token_losses` is a ``GPTModel`` output processor: the output layer's vocab-parallel logits,
+  with the columns that pad the vocabulary for tensor parallelism masked out, go through
+  megatron-core's vocab-parallel cross entropy, so full ``[tokens, vocab]`` logits are never
+  gathered.
+- `forward_backward` runs megatron-core's schedule (1F1B when pp > 1) over the micro-batches and
+  returns the token-summed loss and the supervised-token count of this data rank, the same on
+  every pipeline stage.
+
+megatron-core's rotary embedding derives positions from the layout (``arange`` per row, or per
+packed sample from ``cu_seqlens``), so batches must be right-padded or packed; `micro_batches`
+checks that the batch's ``position_ids`` agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+from torch import Tensor
+
+from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.data.microbatch import split_batch, split_features
+
+PAD_TOKEN_ID = 0  # fills positions added to reach a sequence multiple; their labels are ignored
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The inputs of one ``GPTModel`` forward.
+
+    ``input_ids``, ``position_ids`` and ``labels`` are int64 ``[b, s]`` (labels already shifted,
+    -100 ignored). ``packed`` holds THD boundaries when the row packs several samples (then
+    ``b == 1``), else None.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    packed: PackedSeqParams | None = None
+
+
+def micro_batches(
+    batch: Mapping[str, Any],
+    num_micro_batches: int,
+    *,
+    seq_multiple: int = 1,
+    device: torch.device | str = "cpu",
+) -> list[MicroBatch]:
+    """Split a padded or packed `batch` into `num_micro_batches` megatron micro-batches.
+
+    Padded batches (``input_ids``/``labels`` ``[B, T]``, optional ``attention_mask`` and
+    ``position_ids``) split by rows; packed ones (``[1, T]`` plus ``cu_seqlens [n + 1]``) split
+    by samples, each micro-batch a packed row of its own. Sequences are padded at the end to a
+    multiple of `seq_multiple` (sequence parallelism splits them over tp) with ignored labels;
+    a packed row gets the padding as one more sample. Tensors are moved to `device`.
+
+    Raises ``ValueError`` for missing or misshapen fields, left padding or position ids that
+    do not restart per row / per packed sample (megatron's rotary embedding assumes both),
+    malformed ``cu_seqlens``, or more micro-batches than rows / samples.
+    """
+    ids, labels = _field(batch, "input_ids"), _field(batch, "labels")
+    if ids.shape != labels.shape:
+        raise ValueError(
+            f"batch input_ids {list(ids.shape)} and labels {list(labels.shape)} differ in shape"
+        )
+    if isinstance(seq_multiple, bool) or not isinstance(seq_multiple, int) or seq_multiple < 1:
+        raise ValueError(f"seq_multiple must be a positive int, got {seq_multiple!r}")
+    if "cu_seqlens" in batch:
+        out = _packed(batch, ids, labels, num_micro_batches, seq_multiple)
+    else:
+        out = _padded(batch, ids, labels, num_micro_batches, seq_multiple)
+    return [_to(mb, torch.device(device)) for mb in out]
+
+
+def _field(batch: Mapping[str, Any], name: str) -> Tensor:
+    if name not in batch:
+        raise ValueError(f"batch has no {name!r}; build it with pad_collate or pack")
+    value = batch[name]
+    if not isinstance(value, Tensor) or value.ndim != 2:
+        raise ValueError(f"batch[{name!r}] must be a [batch, seq] tensor, got {value!r}")
+    return value
+
+
+def _pad_cols(t: Tensor, multiple: int, value: int) -> Tensor:
+    extra = -t.shape[-1] % multiple
+    return torch.nn.functional.pad(t, (0, extra), value=value) if extra else t
+
+
+def _padded(
+    batch: Mapping[str, Any], ids: Tensor, labels: Tensor, n: int, multiple: int
+) -> list[MicroBatch]:
+    length = ids.shape[1]
+    real = torch.ones_like(ids, dtype=torch.bool)
+    if "attention_mask" in batch:
+        real = _field(batch, "attention_mask").bool()
+        if bool((real[:, 1:] & ~real[:, :-1]).any()):
+            raise ValueError(
+                "batch attention_mask has padding before real tokens (left padding); the "
+                "megatron backend needs right padding (pad_collate) or packed batches (pack)"
+            )
+    if "position_ids" in batch:
+        pos = _field(batch, "position_ids")
+        expected = torch.arange(length, device=pos.device).expand_as(pos)
+        if not torch.equal(pos[real], expected[real]):
+            raise ValueError(
+                "batch position_ids are not 0..len-1 on the real tokens of each row; megatron's "
+                "rotary embedding uses the token's index, so pass right-padded rows"
+            )
+    ids, labels = _pad_cols(ids, multiple, PAD_TOKEN_ID), _pad_cols(labels, multiple, IGNORE_INDEX)
+    positions = torch.arange(ids.shape[1], dtype=torch.int64).expand_as(ids)
+    parts = split_batch({"input_ids": ids, "labels": labels, "position_ids": positions}, n)
+    return [MicroBatch(p["input_ids"], p["position_ids"], p["labels"]) for p in parts]
+
+
+def _bounds(cu_seqlens: Any, total: int) -> list[int]:
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"batch cu_seqlens must be a 1-D tensor [n + 1], got {cu_seqlens!r}")
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(
+            f"batch cu_seqlens must rise from 0 to the packed length {total}, got {bounds}"
+        )
+    return bounds
+
+
+def _packed(
+    batch: Mapping[str, Any], ids: Tensor, labels: Tensor, n: int, multiple: int
+) -> list[MicroBatch]:
+    if ids.shape[0] != 1:
+        raise ValueError(
+            f"a packed batch (with cu_seqlens) has one row, got input_ids {list(ids.shape)}"
+        )
+    bounds = _bounds(batch["cu_seqlens"], ids.shape[1])
+    restart = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(bounds)])
+    if "position_ids" in batch and not torch.equal(_field(batch, "position_ids")[0].cpu(), restart):
+        raise ValueError(
+            "batch position_ids do not restart at 0 on every packed sample; megatron's rotary "
+            "embedding restarts them at each cu_seqlens boundary"
+        )
+    out = []
+    for group in split_features(range(len(bounds) - 1), n):
+        start, stop = bounds[group[0]], bounds[group[-1] + 1]
+        cu = [b - start for b in bounds[group[0] : group[-1] + 2]]
+        pad = -(stop - start) % multiple
+        if pad:
+            cu.append(cu[-1] + pad)
+        row_ids = _pad_cols(ids[:, start:stop], multiple, PAD_TOKEN_ID)
+        row_labels = _pad_cols(labels[:, start:stop], multiple, IGNORE_INDEX)
+        positions = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])[None]
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        longest = max(b - a for a, b in itertools.pairwise(cu))
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_t,
+            cu_seqlens_kv=cu_t,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+        out.append(MicroBatch(row_ids, positions, row_labels, params))
+    return out
+
+
+def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    packed = mb.packed
+    if packed is not None:
+        cu = packed.cu_seqlens_q.to(device, non_blocking=True)
+        packed = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=packed.max_seqlen_q,
+            max_seqlen_kv=packed.max_seqlen_kv,
+        )
+    return MicroBatch(
+        mb.input_ids.to(device, non_blocking=True),
+        mb.position_ids.to(device, non_blocking=True),
+        mb.labels.to(device, non_blocking=True),
+        packed,
+    )
+
+
+def mask_padded_vocab_(logits: Tensor, vocab_size: int, tp_rank: int) -> Tensor:
+    """Set, in place, the logits of vocabulary ids >= `vocab_size` to ``-inf``; returns `logits`.
+
+    `logits` is ``[..., local_vocab]``: tensor-parallel rank `tp_rank`'s slice of the padded
+    vocabulary (ids ``[tp_rank * local_vocab, (tp_rank + 1) * local_vocab)``). Megatron pads the
+    vocabulary to a multiple of ``128 * tp``; a padding column would otherwise take softmax
+    mass (its logit is 0, not -inf) and the loss would differ from the unpadded model's. The
+    masked columns get a zero gradient.
+    """
+    local = logits.shape[-1]
+    real = min(max(vocab_size - tp_rank * local, 0), local)
+    if real < local:
+        logits[..., real:] = float("-inf")
+    return logits
+
+
+def token_losses(
+    *,
+    hidden_states: Tensor,
+    output_layer: torch.nn.Module,
+    output_weight: Tensor | None,
+    labels: Tensor,
+    context: int,
+    **unused: Any,
+) -> Tensor:
+    """``GPTModel`` output processor: the cross entropy of every token, ``[b, s]`` float32.
+
+    `hidden_states` is the last stage's ``[s, b, hidden]`` (sequence-parallel shards are
+    gathered by the output layer), `labels` ``[b, s]``, `context` the unpadded vocabulary size.
+    Ignored labels (-100) get a finite loss that the caller masks out.
+    """
+    logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, local_vocab]
+    mask_padded_vocab_(logits, context, parallel_state.get_tensor_model_parallel_rank())
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.t().contiguous())
+    return losses.t()
+
+
+def _loss_sum(labels: Tensor, losses: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """megatron's loss_func contract with ``calculate_per_token_loss``: (sum, count, report)."""
+    supervised = labels != IGNORE_INDEX
+    loss_sum = torch.where(supervised, losses, 0.0).sum()
+    num_tokens = supervised.sum()
+    return loss_sum, num_tokens, {"loss_sum": loss_sum.detach(), "num_tokens": num_tokens}
+
+
+def forward_backward(
+    chunks: Sequence[torch.nn.Module],
+    batches: Sequence[MicroBatch],
+    vocab_size: int,
+    *,
+    forward_only: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Run megatron-core's schedule over `batches`; ``(loss_sum, num_tokens)`` of all of them.
+
+    `chunks` are this rank's model chunks (one: virtual pipelining is refused), wrapped by
+    megatron's DDP; their config must have ``calculate_per_token_loss`` (the schedule then
+    backpropagates token sums, unscaled) and no ``finalize_model_grads_func`` (gradients stay
+    this rank's local sums, in the DDP grad buffers, until the caller reduces them). Returns a
+    0-d float32 loss sum and a 0-d int64 count, broadcast from the last pipeline stage so that
+    every rank returns the same values. Raises ``ValueError`` when the config would normalise
+    or reduce the gradients itself, or `batches` is empty.
+    """
+    config = get_model_config(chunks[0])
+    if not config.calculate_per_token_loss or config.finalize_model_grads_func is not None:
+        raise ValueError(
+            "forward_backward needs TransformerConfig(calculate_per_token_loss=True) and no "
+            "finalize_model_grads_func: the caller normalises and reduces gradients once"
+        )
+    if not batches:
+        raise ValueError("forward_backward got no micro-batches")
+
+    def step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Any]:
+        mb = next(data_iterator)
+        out = model(
+            mb.input_ids,
+            mb.position_ids,
+            None,
+            labels=mb.labels,
+            packed_seq_params=mb.packed,
+            output_processor=token_losses,
+            output_processor_context=vocab_size,
+        )
+        return out, functools.partial(_loss_sum, mb.labels)
+
+    reports = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(batches),
+        model=list(chunks),
+        num_microbatches=len(batches),
+        seq_length=max(mb.input_ids.shape[1] for mb in batches),
+        micro_batch_size=max(mb.input_ids.shape[0] for mb in batches),
+        forward_only=forward_only,
+    )
+    device = batches[0].labels.device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for report in reports:
+        totals[0] += report["loss_sum"].double()
+        totals[1] += report["num_tokens"].double()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            totals,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    return totals[0].float(), totals[1].long()

@@ -1,0 +1,129 @@
+"""Micro-batches from twinkle batches, and the loss with the padded vocabulary masked.
+
+The schedule itself (`forward_backward`) is checked end to end by the megatron backend's parity
+tests (`twinkle_fn/backends/megatron_test.py`).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from twinkle_fn.data import pack, pad_collate
+from twinkle_fn.megatron import parallel
+from twinkle_fn.megatron.train import mask_padded_vocab_, micro_batches, token_losses
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.testing import random_features
+from twinkle_fn.testing_dist import free_port
+
+FEATS = random_features(5, seed=11)
+
+
+def test_packed_batches_split_by_sample_and_pad_to_the_sequence_multiple():
+    batch = pack(FEATS)
+    lengths = [len(f["input_ids"]) for f in FEATS]
+    mbs = micro_batches(batch, 2, seq_multiple=4)
+    real_labels = []
+    for mb, group in zip(mbs, ([0, 1, 2], [3, 4]), strict=True):
+        sizes = [lengths[i] for i in group]
+        n = sum(sizes)
+        cu = mb.packed.cu_seqlens_q.tolist()
+        assert mb.input_ids.shape[1] == -(-n // 4) * 4
+        assert cu[: len(group) + 1] == [0, *torch.tensor(sizes).cumsum(0).tolist()]
+        assert cu[-1] == mb.input_ids.shape[1]  # the padding is one more sample
+        assert (mb.labels[0, n:] == -100).all()
+        assert mb.position_ids[0, : sizes[0]].tolist() == list(range(sizes[0]))
+        real_labels.append(mb.labels[0, :n])
+    assert torch.equal(torch.cat(real_labels), batch["labels"][0])
+
+
+def test_padded_batches_split_by_row_and_pad_columns():
+    batch = pad_collate(FEATS, pad_token_id=0)
+    mbs = micro_batches(batch, 2, seq_multiple=5)
+    assert [mb.input_ids.shape[0] for mb in mbs] == [3, 2]
+    width = batch["input_ids"].shape[1]
+    assert all(mb.input_ids.shape[1] == -(-width // 5) * 5 for mb in mbs)
+    assert torch.equal(torch.cat([mb.labels[:, :width] for mb in mbs]), batch["labels"])
+    assert all((mb.labels[:, width:] == -100).all() for mb in mbs)
+    assert all(mb.packed is None for mb in mbs)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda b: b.update(attention_mask=b["attention_mask"].flip(1)), "left padding"),
+        (lambda b: b.update(position_ids=b["position_ids"] + 1), "position_ids"),
+        (lambda b: b.pop("labels"), "no 'labels'"),
+        (lambda b: b.update(labels=b["labels"][:, 1:]), "differ in shape"),
+    ],
+)
+def test_padded_batches_that_megatron_cannot_take_are_named(change, match):
+    batch = pad_collate(FEATS, pad_token_id=0)
+    change(batch)
+    with pytest.raises(ValueError, match=match):
+        micro_batches(batch, 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda b: b.update(cu_seqlens=b["cu_seqlens"].flip(0)), "rise from 0"),
+        (lambda b: b.update(position_ids=b["position_ids"] * 0), "restart"),
+        (lambda b: b.update(input_ids=b["input_ids"].expand(2, -1)), "one row"),
+    ],
+)
+def test_packed_batches_that_megatron_cannot_take_are_named(change, match):
+    batch = pack(FEATS)
+    change(batch)
+    if "one row" in match:
+        batch["labels"] = batch["labels"].expand(2, -1)
+    with pytest.raises(ValueError, match=match):
+        micro_batches(batch, 1)
+
+
+def test_more_micro_batches_than_samples_is_refused():
+    with pytest.raises(ValueError, match="cannot split 5"):
+        micro_batches(pack(FEATS), 6)
+
+
+@pytest.mark.parametrize(("vocab", "tp_rank", "real"), [(10, 0, 8), (10, 1, 2), (10, 2, 0)])
+def test_mask_padded_vocab_hides_ids_beyond_the_vocabulary(vocab, tp_rank, real):
+    logits = torch.randn(3, 2, 8)
+    out = mask_padded_vocab_(logits.clone(), vocab, tp_rank)
+    assert torch.equal(out[..., :real], logits[..., :real])
+    assert (out[..., real:] == float("-inf")).all()
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    parallel.initialize(Mesh(), seed=0)
+    try:
+        yield
+    finally:
+        parallel.destroy()
+        dist.destroy_process_group()
+
+
+def test_token_losses_equal_cross_entropy_over_the_real_vocabulary(one_rank):
+    """Padding columns carry huge logits here: unmasked, they would take all the softmax mass."""
+    vocab, padded, hidden = 10, 16, 6
+    weight = torch.randn(padded, hidden)
+    weight[vocab:] = 50.0
+    h = torch.randn(4, 2, hidden)  # [s, b, hidden]
+    labels = torch.randint(0, vocab, (2, 4))
+    labels[0, 1] = -100
+
+    def output_layer(x, weight):
+        return x @ weight.t(), None
+
+    got = token_losses(
+        hidden_states=h, output_layer=output_layer, output_weight=weight, labels=labels, context=10
+    )
+    logits = (h @ weight[:vocab].t()).transpose(0, 1)  # [b, s, vocab]
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 4)
+    keep = labels != -100
+    # megatron's cross entropy runs in float32: 1e-5
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
