@@ -20,10 +20,8 @@ one LoRA adapter per model.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,37 +30,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
-from twinkle.dataset import make_template
-from twinkle.device_mesh import DeviceMesh, current_rank
+from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function, settings
-from twinkle.model import _core_ops, optim
-from twinkle.processor import InputProcessor, unpack
-from twinkle.template import Template
-from twinkle_fn.data import IGNORE_INDEX
-from twinkle_fn.distributed import init_distributed, world_size
-from twinkle_fn.optim import Schedule
-
-PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
-STRATEGIES = ("accelerate", "native_fsdp")
-FSDP_OPTIONS = ("activation_checkpointing",)
-LOSSES = ("CrossEntropyLoss", "cross_entropy")
-TRAIN_STATE_DIR = "train_state"  # next to a saved adapter: its optimizer state and step
-
-
-@dataclasses.dataclass
-class _Group:
-    """Upstream's optimizer group: what one adapter (or ``''``, the full model) trains with."""
-
-    name: str = ""
-    gradient_accumulation_steps: int = 1
-    optimizer: optim.OptimizerSpec = dataclasses.field(
-        default_factory=lambda: optim.optimizer_spec("AdamW")
-    )
-    scheduler: tuple[Any, dict[str, Any]] | None = None
-    template: Template | None = None
-    processor: InputProcessor | None = None
-    last: tuple[dict[str, torch.Tensor], ModelOutput, bool] | None = None  # batch, out, train
-    eval_sums: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+from twinkle.model import _accumulate, _build, _checkpoint, _group, _inputs, optim
+from twinkle.model._inputs import Batch
+from twinkle.processor import InputProcessor
 
 
 @remote_class()
@@ -96,44 +68,20 @@ class TransformersModel:
         grad_scaler_config: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_options(model_cls, mixed_precision, strategy, ddp_config, grad_scaler_config)
-        fsdp_config = dict(fsdp_config or {})
-        unknown = sorted(set(fsdp_config) - set(FSDP_OPTIONS))
-        if unknown:
-            raise ValueError(f"fsdp_config keys {unknown} are not supported; known: {FSDP_OPTIONS}")
-        init_distributed()  # joins the launcher's world (torchrun); nothing on one process
-        self.device_mesh = device_mesh or DeviceMesh.from_sizes(dp_size=world_size())
-        self.device_mesh.mesh.validate(world_size())
-        self.mixed_precision = mixed_precision
-        self.strategy = strategy
+        fsdp_config = _build.check_options(
+            model_cls, mixed_precision, strategy, ddp_config, fsdp_config, grad_scaler_config
+        )
+        self.device_mesh = _build.device_mesh(device_mesh)
+        self.mixed_precision, self.strategy = mixed_precision, strategy
         self.model_id = None if model_id is None else os.fspath(model_id)
         self.tokenizer_id = kwargs.pop("tokenizer_id", self.model_id)
         self._seed = kwargs.pop("seed", settings().seed)
-        dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
-        build = dict(
-            precision=PRECISIONS[mixed_precision],
-            activation_checkpointing=bool(fsdp_config.get("activation_checkpointing", False)),
+        self._model = _build.build_model(
+            model_id, config, kwargs, mixed_precision, fsdp_config, self._seed
         )
-        if model_id is not None:
-            if config is not None or kwargs:
-                raise ValueError(
-                    "with model_id, the directory's config.json is used; config= and config "
-                    f"overrides {sorted(kwargs)} are not supported (build from config= instead)"
-                )
-            self._model = tf.models.from_pretrained(model_id, **build)
-        elif config is not None:
-            self._model = tf.models.from_hf_config(
-                _override(config, kwargs), seed=self._seed, **build
-            )
-        else:
-            raise ValueError("TransformersModel needs model_id=<dir or hub id> or config=")
-        if dtype is not None:
-            self._model.module.to(dtype)
-        self._group = _Group(processor=InputProcessor(self.device_mesh))
+        self._group = _group.Group(processor=InputProcessor(self.device_mesh))
         self._state: tf.TrainState | None = None
-        self._grads: tf.Grads | None = None
-        self._clip: float | None = None
-        self._last_step: dict[str, Any] = {}
+        self._pending = _accumulate.Pending()
 
     # The model and its state.
     @property
@@ -148,88 +96,16 @@ class TransformersModel:
 
     def _ensure_state(self) -> tf.TrainState:
         if self._state is None:
-            tx = optim.transform(self._group.optimizer, self._lr(), None)
+            tx = _group.transform(self._group, None)
             self._state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
         return self._state
 
-    def _lr(self) -> float | Schedule:
-        g = self._group
-        if g.scheduler is None:
-            return g.optimizer.lr
-        cls, kwargs = g.scheduler
-        return optim.schedule(cls, g.optimizer.lr, **kwargs)
+    def _resolve(self, adapter_name: str | None) -> _group.Group:
+        return _group.resolve(self._group, adapter_name)
 
-    def _resolve(self, adapter_name: str | None) -> _Group:
-        g = self._group
-        if adapter_name is None or adapter_name == g.name:
-            return g
-        if adapter_name == "" and g.name:
-            raise ValueError(
-                f"this model trains adapter {g.name!r}; the full-parameter group '' no longer "
-                f"trains (one adapter per model in this build): pass adapter_name={g.name!r}"
-            )
-        have = repr(g.name) if g.name else "no adapter (only the default group '')"
-        raise ValueError(
-            f"adapter {adapter_name!r} does not exist; this model has {have}. Add it with "
-            "add_adapter_to_model(name, LoraConfig(...)) before training"
-        )
-
-    # Inputs.
-    def _template(self, g: _Group) -> Template:
-        if g.template is None:
-            if self.tokenizer_id is None:
-                raise ValueError(
-                    "chat trajectories need a template; call set_template('Template', "
-                    "model_id=<tokenizer dir>) (this model was built from a config)"
-                )
-            g.template = Template(self.tokenizer_id)
-        return g.template
-
-    def _batch(self, g: _Group, inputs: Any) -> dict[str, torch.Tensor]:
-        """`inputs` (features, trajectories, or a collated batch) as the core's batch."""
-        if isinstance(inputs, Mapping):
-            if "messages" not in inputs:
-                return g.processor(inputs)  # one feature, or a collated batch
-            inputs = [inputs]
-        if not isinstance(inputs, Sequence) or isinstance(inputs, str):
-            raise TypeError(
-                "inputs must be a list of features / trajectories or a collated batch, got "
-                f"{type(inputs).__name__}"
-            )
-        if inputs and isinstance(inputs[0], Mapping) and "input_ids" not in inputs[0]:
-            inputs = self._template(g).batch_encode(inputs)
-        if not inputs:
-            raise ValueError(
-                "inputs is empty (or the template deleted every sample); each rank needs at "
-                "least one sample per call"
-            )
-        return g.processor(inputs)
-
-    def _outputs(
-        self,
-        batch: dict[str, torch.Tensor],
-        temperature: float,
-        return_logits: bool,
-        disable_lora: bool = False,
-    ) -> ModelOutput:
-        """The no-grad forward's ``logps`` ([n_seq, max_len]), ``loss``, ``num_tokens`` and,
-        when asked, ``logits``."""
-        logps, logits = _core_ops.forward_logps(
-            self._ensure_state(),
-            batch,
-            temperature=temperature,
-            return_logits=return_logits,
-            disable_lora=disable_lora,
-        )
-        num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
-        out = ModelOutput(
-            logps=unpack(logps, batch),
-            loss=float(-logps.sum()) / max(num_tokens, 1),
-            num_tokens=num_tokens,
-        )
-        if logits is not None:
-            out["logits"] = logits
-        return out
+    def _encode(self, adapter_name: str | None, inputs: Any) -> tuple[_group.Group, Batch]:
+        g = self._resolve(adapter_name)
+        return g, _inputs.encode(g, self.tokenizer_id, inputs)
 
     # Training calls.
     @remote_function(dispatch="slice_dp", collect="mean")
@@ -251,17 +127,10 @@ class TransformersModel:
         / `return_logits` also ``logps`` / ``logits`` from an extra no-grad forward (with the
         weights the gradient is taken at). `gradient_accumulation_steps` is read at step time.
         """
-        g = self._resolve(adapter_name)
-        batch = self._batch(g, inputs)
+        g, batch = self._encode(adapter_name, inputs)
         state = self._ensure_state()
-        out = ModelOutput()
-        if return_logps or return_logits:
-            out = self._outputs(batch, temperature, return_logits)
-            if not return_logps:
-                del out["logps"]
-        self._grads, aux = tf.fwd_bwd(state, batch, accum=self._grads)
-        num_tokens = int(aux["num_tokens"])
-        out.update(loss=float(aux["loss_sum"]) / max(num_tokens, 1), num_tokens=num_tokens)
+        out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
+        out.update(self._pending.add(state, batch))
         g.last = (batch, out, False)
         return out
 
@@ -276,9 +145,8 @@ class TransformersModel:
     ) -> ModelOutput:
         """A training forward: returns ``logps`` (and ``logits`` if asked); `backward` then
         takes the gradient of these inputs. No gradient is kept from this call itself."""
-        g = self._resolve(adapter_name)
-        batch = self._batch(g, inputs)
-        out = self._outputs(batch, temperature, return_logits)
+        g, batch = self._encode(adapter_name, inputs)
+        out = _inputs.outputs(self._ensure_state(), batch, temperature, return_logits)
         g.last = (batch, out, True)
         return out
 
@@ -294,12 +162,11 @@ class TransformersModel:
     ) -> ModelOutput:
         """An evaluation forward (no gradient): ``logps``, ``loss``, ``num_tokens`` (and
         ``logits`` if asked). `disable_lora` uses the base weights (reference log-probs)."""
-        g = self._resolve(adapter_name)
-        batch = self._batch(g, inputs)
-        out = self._outputs(batch, temperature, return_logits, disable_lora)
+        g, batch = self._encode(adapter_name, inputs)
+        state = self._ensure_state()
+        out = _inputs.outputs(state, batch, temperature, return_logits, disable_lora)
         g.last = (batch, out, False)
-        g.eval_sums[0] += out["loss"] * out["num_tokens"]
-        g.eval_sums[1] += out["num_tokens"]
+        _group.add_eval(g, out)
         return out
 
     @remote_function(collect="mean")
@@ -311,10 +178,7 @@ class TransformersModel:
         """
         if loss_kwargs:
             raise TypeError(f"the cross-entropy loss takes no arguments, got {sorted(loss_kwargs)}")
-        g = self._resolve(adapter_name)
-        if g.last is None:
-            raise ValueError("calculate_loss needs a forward/forward_only call first")
-        return g.last[1]["loss"]
+        return _group.last_loss(self._resolve(adapter_name))
 
     @remote_function()
     def backward(
@@ -328,19 +192,13 @@ class TransformersModel:
         g = self._resolve(adapter_name)
         if g.last is None or not g.last[2]:
             raise ValueError("backward needs a forward(inputs=...) call before it")
-        self._grads, _ = tf.fwd_bwd(self._ensure_state(), g.last[0], accum=self._grads)
+        self._pending.add(self._ensure_state(), g.last[0])
         g.last = (g.last[0], g.last[1], False)
-
-    def _gas(self, g: _Group, gradient_accumulation_steps: int | None) -> int:
-        gas = gradient_accumulation_steps or g.gradient_accumulation_steps
-        if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
-            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gas!r}")
-        return gas
 
     def _due(self, adapter_name: str | None, gradient_accumulation_steps: int | None) -> bool:
         """Whether the pending gradients hold (at least) the micro-batches of one step."""
-        gas = self._gas(self._resolve(adapter_name), gradient_accumulation_steps)
-        return self._grads is not None and self._grads.num_micro_batches >= gas
+        gas = _group.accumulation_steps(self._resolve(adapter_name), gradient_accumulation_steps)
+        return self._pending.due(gas)
 
     @remote_function()
     def clip_grad_norm(
@@ -356,10 +214,8 @@ class TransformersModel:
         """
         if not self._due(adapter_name, gradient_accumulation_steps):
             return None
-        _check_norm_type(norm_type)
-        self._clip = max_grad_norm
-        assert self._grads is not None
-        return float(_core_ops.grad_norm(self._ensure_state(), self._grads))
+        self._pending.set_clip(max_grad_norm, norm_type)
+        return self._pending.grad_norm(self._ensure_state())
 
     @remote_function()
     def step(
@@ -377,20 +233,8 @@ class TransformersModel:
                 f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
                 "to change the learning rate or weight decay"
             )
-        if not self._due(adapter_name, gradient_accumulation_steps):
-            return
-        assert self._grads is not None
-        state = self._ensure_state()
-        state = state.replace(tx=optim.transform(self._group.optimizer, self._lr(), self._clip))
-        self._state, info = tf.step(state, self._grads)
-        self._grads, self._clip = None, None
-        self._last_step = {
-            "loss": float(info["loss"]),
-            "grad_norm": float(info["grad_norm"]),
-            "lr": info["lr"],
-            "num_tokens": int(info["num_tokens"]),
-            "step": int(self._state.step),
-        }
+        if self._due(adapter_name, gradient_accumulation_steps):
+            self._state = self._pending.step(self._ensure_state(), self._group)
 
     @remote_function()
     def zero_grad(
@@ -401,7 +245,7 @@ class TransformersModel:
     ) -> None:
         """On a step boundary, drop the pending gradients (`step` already consumed them)."""
         if self._due(adapter_name, gradient_accumulation_steps):
-            self._grads, self._clip = None, None
+            self._pending.clear()
 
     @remote_function()
     def lr_step(
@@ -424,10 +268,9 @@ class TransformersModel:
         gradient norm before clipping, or None while still accumulating."""
         if not self._due(adapter_name, gradient_accumulation_steps):
             return None
-        _check_norm_type(norm_type)
-        self._clip = max_grad_norm
+        self._pending.set_clip(max_grad_norm, norm_type)
         self.step(adapter_name, gradient_accumulation_steps)
-        return self._last_step["grad_norm"]
+        return self._pending.last_step["grad_norm"]
 
     @remote_function(collect="first")
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
@@ -435,11 +278,7 @@ class TransformersModel:
         ranks), ``grad_norm``, ``lr``, ``num_tokens`` and ``step``. Evaluation: the token-mean
         ``loss`` over this rank's `forward_only` calls since the last call (then reset)."""
         g = self._resolve(adapter_name)
-        if is_training:
-            return dict(self._last_step)
-        loss_sum, num_tokens = g.eval_sums
-        g.eval_sums = [0.0, 0.0]
-        return {"loss": loss_sum / max(num_tokens, 1.0), "num_tokens": int(num_tokens)}
+        return dict(self._pending.last_step) if is_training else _group.pop_eval(g)
 
     # Settings.
     @remote_function()
@@ -451,7 +290,7 @@ class TransformersModel:
         g = self._resolve(kwargs.pop("adapter_name", None))
         g.optimizer = optim.optimizer_spec(optimizer_cls, **kwargs)
         if self._state is not None:
-            tx = optim.transform(g.optimizer, self._lr(), None)
+            tx = _group.transform(g, None)
             self._state = self._state.replace(tx=tx, opt_state=tx.init(self._state.params))
 
     @remote_function()
@@ -462,10 +301,9 @@ class TransformersModel:
         optimizer steps. Raises ``ValueError`` for an unknown scheduler, listing the known
         ones."""
         g = self._resolve(kwargs.pop("adapter_name", None))
-        optim.schedule(scheduler_cls, g.optimizer.lr, **kwargs)
-        g.scheduler = (scheduler_cls, kwargs)
+        _group.set_scheduler(g, scheduler_cls, kwargs)
         if self._state is not None:
-            self._state = self._state.replace(tx=optim.transform(g.optimizer, self._lr(), None))
+            self._state = self._state.replace(tx=_group.transform(g, None))
 
     @remote_function()
     def set_loss(self, loss_cls: Any, **kwargs: Any) -> None:
@@ -473,36 +311,21 @@ class TransformersModel:
         this build (fused into the lm_head). Raises ``ValueError`` for any other loss, or for
         an ``ignore_index`` other than -100."""
         self._resolve(kwargs.pop("adapter_name", None))
-        name = loss_cls if isinstance(loss_cls, str) else getattr(loss_cls, "__name__", "")
-        if name not in LOSSES:
-            raise ValueError(
-                f"loss {loss_cls!r} is not available; this build trains with the causal-LM "
-                f"cross entropy only ({' / '.join(LOSSES)})"
-            )
-        if kwargs.get("ignore_index", -100) != -100:
-            raise ValueError(f"ignore_index must be -100, got {kwargs['ignore_index']}")
+        _group.check_loss(loss_cls, kwargs)
 
     @remote_function()
     def set_template(self, template_cls: Any = "Template", **kwargs: Any) -> None:
         """Encode chat trajectories with a `Template` (an instance, or the class / 'Template'
         built with `kwargs`; ``model_id`` defaults to this model's tokenizer)."""
         g = self._resolve(kwargs.pop("adapter_name", None))
-        if not isinstance(template_cls, Template):
-            kwargs.setdefault("model_id", self.tokenizer_id)
-        g.template = make_template(template_cls, **kwargs)
+        g.template = _inputs.make_group_template(template_cls, self.tokenizer_id, kwargs)
 
     @remote_function()
     def set_processor(self, processor_cls: Any = "InputProcessor", **kwargs: Any) -> None:
         """Collate with an `InputProcessor` (an instance, or the class / 'InputProcessor' built
         with `kwargs`, e.g. ``padding_free=True``). Raises ``ValueError`` for anything else."""
         g = self._resolve(kwargs.pop("adapter_name", None))
-        if isinstance(processor_cls, InputProcessor):
-            g.processor = processor_cls
-        elif processor_cls in ("InputProcessor", InputProcessor):
-            kwargs.setdefault("device_mesh", self.device_mesh)
-            g.processor = InputProcessor(**kwargs)
-        else:
-            raise ValueError(f"unknown processor {processor_cls!r}; use 'InputProcessor'")
+        g.processor = _inputs.make_processor(processor_cls, self.device_mesh, kwargs)
 
     @remote_function()
     def add_adapter_to_model(
@@ -520,40 +343,13 @@ class TransformersModel:
         build), an adapter added after the state was built (add adapters before the first
         forward), ``is_trainable=False``, and what `twinkle_fn.lora.add_lora` rejects.
         """
-        if not isinstance(adapter_name, str) or not adapter_name:
-            raise ValueError(f"adapter_name must be a non-empty str, got {adapter_name!r}")
         g = self._group
-        if g.name:
-            raise ValueError(
-                f"this model already has adapter {g.name!r}; this build trains one adapter per "
-                "model (upstream's multi-adapter groups are not supported)"
-            )
-        if self._state is not None:
-            raise ValueError("add adapters before the first forward/step (the state is built then)")
-        if not is_trainable:
-            raise ValueError("is_trainable=False is not supported: an added adapter trains")
-        g.gradient_accumulation_steps = self._gas(g, gradient_accumulation_steps)
-        if isinstance(config_or_dir, str | os.PathLike):
-            path = _adapter_dir(config_or_dir)
-            config = LoraConfig.from_pretrained(path)
-            config.inference_mode = False
-            self._model = tf.lora.add_lora(self._model, config, adapter_name)
-            trainable = {n: p for n, p in self._model.module.named_parameters() if p.requires_grad}
-            _core_ops.load_weights(trainable, path, _core_ops.adapter_key(adapter_name))
-        else:
-            self._model = tf.lora.add_lora(self._model, config_or_dir, adapter_name)
+        _group.check_new_adapter(g, adapter_name, self._state is not None, is_trainable)
+        g.gradient_accumulation_steps = _group.accumulation_steps(g, gradient_accumulation_steps)
+        self._model = _checkpoint.add_adapter(self._model, adapter_name, config_or_dir)
         g.name = adapter_name
 
     # Checkpoints.
-    def _tokenizer(self) -> Any:
-        g = self._group
-        if g.template is None and self.tokenizer_id is not None:
-            try:
-                self._template(g)
-            except ValueError:
-                return None
-        return None if g.template is None else g.template.tokenizer
-
     @remote_function(execute="all")
     def save(
         self,
@@ -575,33 +371,12 @@ class TransformersModel:
         """
         g = self._resolve(adapter_name)
         state = self._ensure_state()
-        steps = int(state.step)
-        if steps % interval:
+        path = _checkpoint.save_path(state, name, output_dir, interval)
+        if path is None:
             return None
-        path = Path(output_dir or "output") / (name or f"checkpoint-step-{steps}")
-        extra = {
-            "cur_step": steps,
-            "consumed_train_samples": consumed_train_samples,
-            "gradient_accumulation_steps": g.gradient_accumulation_steps,
-        }
-        tokenizer = self._tokenizer()
-        if not g.name:
-            tf.checkpoint.save(state, path, tokenizer=tokenizer, extra=extra)
-            return str(path)
-        tf.lora.save_adapter(state, path)
-        if save_optimizer:
-            tf.checkpoint.save(state, path / TRAIN_STATE_DIR, extra=extra)
-        if tokenizer is not None and current_rank() == 0:
-            tokenizer.save_pretrained(path)
+        tokenizer = _inputs.tokenizer(self._group, self.tokenizer_id)
+        _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
         return str(path)
-
-    def _checkpoint_dir(self, name: str | os.PathLike[str], output_dir: Any) -> Path:
-        path = Path(name) if output_dir is None else Path(output_dir) / name
-        if output_dir is None and not path.is_dir():
-            path = Path("output") / name
-        if not path.is_dir():
-            raise ValueError(f"checkpoint directory {path} does not exist")
-        return path
 
     @remote_function(execute="all")
     def load(
@@ -615,13 +390,11 @@ class TransformersModel:
         directory); with `load_optimizer` also the optimizer state and step. Every rank must
         call it. Raises ``ValueError`` for a missing or incompatible checkpoint."""
         g = self._resolve(adapter_name)
-        path = self._checkpoint_dir(name, output_dir)
+        path = _checkpoint.checkpoint_dir(name, output_dir)
         state = self._ensure_state()
-        if load_optimizer:
-            self._state = tf.checkpoint.load(state, path / TRAIN_STATE_DIR if g.name else path)
-        else:
-            rename = _core_ops.adapter_key(g.name) if g.name else str
-            _core_ops.load_weights(state.params, path, rename)
+        self._state = _checkpoint.load(
+            state, path, adapter_name=g.name, load_optimizer=load_optimizer
+        )
 
     @remote_function(execute="all")
     def resume_from_checkpoint(
@@ -636,18 +409,11 @@ class TransformersModel:
         ``consumed_train_samples`` and ``gradient_accumulation_steps`` as saved (feed the
         count to ``DataLoader.resume_from_checkpoint``)."""
         g = self._resolve(adapter_name)
-        path = self._checkpoint_dir(checkpoint_dir, None)
+        path = _checkpoint.checkpoint_dir(checkpoint_dir, None)
         self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
-        train_state = path / TRAIN_STATE_DIR if g.name else path
-        if not tf.checkpoint.is_complete(train_state):
-            raise ValueError(f"{path} has no training state; save it with save_optimizer=True")
-        extra = tf.checkpoint.read_extra(train_state)
-        g.gradient_accumulation_steps = extra["gradient_accumulation_steps"]
-        return {
-            "cur_step": extra["cur_step"],
-            "consumed_train_samples": extra["consumed_train_samples"],
-            "gradient_accumulation_steps": extra["gradient_accumulation_steps"],
-        }
+        info = _checkpoint.resume_info(path, g.name)
+        g.gradient_accumulation_steps = info["gradient_accumulation_steps"]
+        return info
 
     @remote_function(collect="first")
     def get_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
@@ -660,77 +426,10 @@ class TransformersModel:
     def get_train_configs(self, adapter_name: str | None = None) -> str:
         """A readable summary of how this model trains."""
         g = self._resolve(adapter_name)
-        opt = g.optimizer
-        sched = "constant lr" if g.scheduler is None else f"{g.scheduler[0]}({g.scheduler[1]})"
-        processor = g.processor
         lines = [
             f"model: {self.model_id or type(self.model).__name__} ({self._model.family})",
             f"device_mesh: {self.device_mesh}",
             f"mixed_precision: {self.mixed_precision}, strategy: {self.strategy} (FSDP2 core)",
-            f"adapter: {g.name or 'none (full parameters)'}",
-            f"optimizer: {opt.name}(lr={opt.lr}, {opt.kwargs})",
-            f"lr_scheduler: {sched}",
-            f"gradient_accumulation_steps: {g.gradient_accumulation_steps}",
-            "loss: CrossEntropyLoss (token mean over every micro-batch and data rank)",
-            f"processor: padding_free={processor.padding_free if processor else False}",
+            *_group.describe(g),
         ]
         return "\n".join(lines)
-
-
-def _check_options(
-    model_cls: Any,
-    mixed_precision: str,
-    strategy: str,
-    ddp_config: Mapping[str, Any] | None,
-    grad_scaler_config: Mapping[str, Any] | None,
-) -> None:
-    name = model_cls if isinstance(model_cls, str) else getattr(model_cls, "__name__", "")
-    if not name.endswith("ForCausalLM"):
-        raise ValueError(
-            f"model_cls={model_cls!r}: this build trains causal LMs; use AutoModelForCausalLM"
-        )
-    if mixed_precision not in PRECISIONS:
-        raise ValueError(
-            f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}"
-        )
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if ddp_config:
-        raise ValueError(
-            f"ddp_config {dict(ddp_config)} is not supported: data parallelism is FSDP2 "
-            "replication through the core"
-        )
-    if grad_scaler_config:
-        raise ValueError(
-            "grad_scaler_config is not supported: the core keeps float32 master weights and "
-            "sums losses in float32; use mixed_precision='bf16'"
-        )
-
-
-def _check_norm_type(norm_type: float) -> None:
-    if norm_type != 2:
-        raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
-
-
-def _override(config: PretrainedConfig, fields: Mapping[str, Any]) -> PretrainedConfig:
-    """A copy of `config` with `fields` set. Raises ``ValueError`` for an unknown field."""
-    unknown = [k for k in fields if not hasattr(config, k)]
-    if unknown:
-        raise ValueError(
-            f"unknown TransformersModel arguments {unknown}: neither constructor options nor "
-            f"fields of {type(config).__name__}"
-        )
-    config = type(config).from_dict(config.to_dict())
-    for key, value in fields.items():
-        setattr(config, key, value)
-    return config
-
-
-def _adapter_dir(path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
-    if not (path / "adapter_config.json").is_file():
-        raise ValueError(
-            f"{path} is not a peft adapter directory (no adapter_config.json); pass a "
-            "LoraConfig or a directory written by save()"
-        )
-    return path

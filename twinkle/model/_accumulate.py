@@ -1,0 +1,71 @@
+"""The gradients pending between optimizer steps.
+
+Micro-batch gradients are summed (token sums, as `tf.fwd_bwd` returns them) until a step is
+due; then the step clips (when asked), applies one update normalised by all their tokens
+(`tf.step`), and records its metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import twinkle_fn as tf
+from twinkle.model import _core_ops, _group
+
+
+@dataclasses.dataclass
+class Pending:
+    """The summed gradients of the micro-batches since the last step, the clip norm chosen for
+    the coming step, and the metrics of the last step."""
+
+    grads: tf.Grads | None = None
+    clip: float | None = None
+    last_step: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def add(self, state: tf.TrainState, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Forward and backward on `batch`, adding its gradients; returns its token-mean
+        ``loss`` and ``num_tokens``."""
+        self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads)
+        num_tokens = int(aux["num_tokens"])
+        return {"loss": float(aux["loss_sum"]) / max(num_tokens, 1), "num_tokens": num_tokens}
+
+    def due(self, accumulation_steps: int) -> bool:
+        """Whether the pending gradients hold (at least) the micro-batches of one step."""
+        return self.grads is not None and self.grads.num_micro_batches >= accumulation_steps
+
+    def set_clip(self, max_grad_norm: float, norm_type: float) -> None:
+        """Clip the coming step's gradients to `max_grad_norm`. Raises ``ValueError`` for a
+        norm other than L2."""
+        if norm_type != 2:
+            raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
+        self.clip = max_grad_norm
+
+    def grad_norm(self, state: tf.TrainState) -> float:
+        """The global L2 norm of the token-normalised pending gradients. A collective on
+        several ranks."""
+        assert self.grads is not None
+        return float(_core_ops.grad_norm(state, self.grads))
+
+    def step(self, state: tf.TrainState, g: _group.Group) -> tf.TrainState:
+        """`state` after one update of group `g`'s optimizer from the pending gradients (then
+        cleared), clipped to the chosen norm; records ``last_step``."""
+        assert self.grads is not None
+        state = state.replace(tx=_group.transform(g, self.clip))
+        state, info = tf.step(state, self.grads)
+        self.clear()
+        self.last_step = {
+            "loss": float(info["loss"]),
+            "grad_norm": float(info["grad_norm"]),
+            "lr": info["lr"],
+            "num_tokens": int(info["num_tokens"]),
+            "step": int(state.step),
+        }
+        return state
+
+    def clear(self) -> None:
+        """Drop the pending gradients and the clip norm."""
+        self.grads, self.clip = None, None

@@ -1,0 +1,124 @@
+"""`TransformersModel`'s construction: option checks, the device mesh, the core model.
+
+The class accepts upstream's constructor arguments; this module rejects those the core does not
+do (fp8, grad scaler, DDP options, non-causal-LM classes), joins the distributed world, and
+builds the `twinkle_fn` model from a checkpoint directory / hub id or from an HF config with
+overridden fields.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from transformers import PretrainedConfig
+
+import twinkle_fn as tf
+from twinkle.device_mesh import DeviceMesh
+from twinkle_fn.distributed import init_distributed, world_size
+
+PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+STRATEGIES = ("accelerate", "native_fsdp")
+FSDP_OPTIONS = ("activation_checkpointing",)
+
+
+def check_options(
+    model_cls: Any,
+    mixed_precision: str,
+    strategy: str,
+    ddp_config: Mapping[str, Any] | None,
+    fsdp_config: Mapping[str, Any] | None,
+    grad_scaler_config: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Check the constructor's options; returns `fsdp_config` as a dict.
+
+    Raises ``ValueError`` for a `model_cls` that is not a causal LM, an unknown
+    `mixed_precision` or `strategy`, any `ddp_config` or `grad_scaler_config`, and unknown
+    `fsdp_config` keys.
+    """
+    name = model_cls if isinstance(model_cls, str) else getattr(model_cls, "__name__", "")
+    if not name.endswith("ForCausalLM"):
+        raise ValueError(
+            f"model_cls={model_cls!r}: this build trains causal LMs; use AutoModelForCausalLM"
+        )
+    if mixed_precision not in PRECISIONS:
+        raise ValueError(
+            f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if ddp_config:
+        raise ValueError(
+            f"ddp_config {dict(ddp_config)} is not supported: data parallelism is FSDP2 "
+            "replication through the core"
+        )
+    if grad_scaler_config:
+        raise ValueError(
+            "grad_scaler_config is not supported: the core keeps float32 master weights and "
+            "sums losses in float32; use mixed_precision='bf16'"
+        )
+    fsdp_config = dict(fsdp_config or {})
+    unknown = sorted(set(fsdp_config) - set(FSDP_OPTIONS))
+    if unknown:
+        raise ValueError(f"fsdp_config keys {unknown} are not supported; known: {FSDP_OPTIONS}")
+    return fsdp_config
+
+
+def device_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    """`mesh`, by default dp over the world, after joining the launcher's world (torchrun;
+    nothing on one process). Raises ``ValueError`` when the mesh does not match the world."""
+    init_distributed()
+    mesh = mesh or DeviceMesh.from_sizes(dp_size=world_size())
+    mesh.mesh.validate(world_size())
+    return mesh
+
+
+def build_model(
+    model_id: str | os.PathLike[str] | None,
+    config: PretrainedConfig | None,
+    overrides: dict[str, Any],
+    mixed_precision: str,
+    fsdp_config: Mapping[str, Any],
+    seed: int | None,
+) -> tf.models.Model:
+    """The core model from `model_id` (its own config.json), else from `config` with the
+    `overrides` fields set (random init from `seed`). ``dtype``/``torch_dtype`` are popped from
+    `overrides` first: the parameters' dtype.
+
+    Raises ``ValueError`` for `config`/fields next to a `model_id`, for neither given, and for
+    a field that is not one of `config`'s.
+    """
+    dtype = overrides.pop("dtype", overrides.pop("torch_dtype", None))
+    build = dict(
+        precision=PRECISIONS[mixed_precision],
+        activation_checkpointing=bool(fsdp_config.get("activation_checkpointing", False)),
+    )
+    if model_id is not None:
+        if config is not None or overrides:
+            raise ValueError(
+                "with model_id, the directory's config.json is used; config= and config "
+                f"overrides {sorted(overrides)} are not supported (build from config= instead)"
+            )
+        model = tf.models.from_pretrained(model_id, **build)
+    elif config is not None:
+        model = tf.models.from_hf_config(_override(config, overrides), seed=seed, **build)
+    else:
+        raise ValueError("TransformersModel needs model_id=<dir or hub id> or config=")
+    if dtype is not None:
+        model.module.to(dtype)
+    return model
+
+
+def _override(config: PretrainedConfig, fields: Mapping[str, Any]) -> PretrainedConfig:
+    """A copy of `config` with `fields` set. Raises ``ValueError`` for an unknown field."""
+    unknown = [k for k in fields if not hasattr(config, k)]
+    if unknown:
+        raise ValueError(
+            f"unknown TransformersModel arguments {unknown}: neither constructor options nor "
+            f"fields of {type(config).__name__}"
+        )
+    config = type(config).from_dict(config.to_dict())
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return config

@@ -1,0 +1,142 @@
+"""Inputs and outputs of `TransformersModel`'s forward calls.
+
+Features, chat trajectories (encoded by the group's `Template`) or a collated batch become the
+core's batch through the group's `InputProcessor`; the no-grad forward's log-probs become a
+`ModelOutput`. Also builds the template and processor that ``set_template`` /
+``set_processor`` name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+import twinkle_fn as tf
+from twinkle.data_format import ModelOutput
+from twinkle.dataset import make_template
+from twinkle.device_mesh import DeviceMesh
+from twinkle.model import _core_ops
+from twinkle.model._group import Group
+from twinkle.processor import InputProcessor, unpack
+from twinkle.template import Template
+from twinkle_fn.data import IGNORE_INDEX
+
+Batch = dict[str, torch.Tensor]  # the core's batch: input_ids, labels, ... [batch, seq]
+
+
+def template(g: Group, tokenizer_id: str | None) -> Template:
+    """The group's template, built from `tokenizer_id` on first use. Raises ``ValueError``
+    when there is none and no tokenizer to build one from."""
+    if g.template is None:
+        if tokenizer_id is None:
+            raise ValueError(
+                "chat trajectories need a template; call set_template('Template', "
+                "model_id=<tokenizer dir>) (this model was built from a config)"
+            )
+        g.template = Template(tokenizer_id)
+    return g.template
+
+
+def tokenizer(g: Group, tokenizer_id: str | None) -> Any:
+    """The group's tokenizer to save with a checkpoint, or None when it has none."""
+    if g.template is None and tokenizer_id is not None:
+        try:
+            template(g, tokenizer_id)
+        except ValueError:
+            return None
+    return None if g.template is None else g.template.tokenizer
+
+
+def encode(g: Group, tokenizer_id: str | None, inputs: Any) -> Batch:
+    """`inputs` (features, trajectories, or a collated batch) as the core's batch
+    (``input_ids``/``labels``/... ``[batch, seq]``, or packed ``[1, total]``).
+
+    Raises ``TypeError`` for inputs that are not a list or a mapping, ``ValueError`` when no
+    sample is left.
+    """
+    if isinstance(inputs, Mapping):
+        if "messages" not in inputs:
+            return g.processor(inputs)  # one feature, or a collated batch
+        inputs = [inputs]
+    if not isinstance(inputs, Sequence) or isinstance(inputs, str):
+        raise TypeError(
+            "inputs must be a list of features / trajectories or a collated batch, got "
+            f"{type(inputs).__name__}"
+        )
+    if inputs and isinstance(inputs[0], Mapping) and "input_ids" not in inputs[0]:
+        inputs = template(g, tokenizer_id).batch_encode(inputs)
+    if not inputs:
+        raise ValueError(
+            "inputs is empty (or the template deleted every sample); each rank needs at "
+            "least one sample per call"
+        )
+    return g.processor(inputs)
+
+
+def outputs(
+    state: tf.TrainState,
+    batch: Batch,
+    temperature: float,
+    return_logits: bool,
+    disable_lora: bool = False,
+) -> ModelOutput:
+    """The no-grad forward's ``logps`` ([n_seq, max_len]), ``loss``, ``num_tokens`` and,
+    when asked, ``logits``."""
+    logps, logits = _core_ops.forward_logps(
+        state,
+        batch,
+        temperature=temperature,
+        return_logits=return_logits,
+        disable_lora=disable_lora,
+    )
+    num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
+    out = ModelOutput(
+        logps=unpack(logps, batch),
+        loss=float(-logps.sum()) / max(num_tokens, 1),
+        num_tokens=num_tokens,
+    )
+    if logits is not None:
+        out["logits"] = logits
+    return out
+
+
+def requested_outputs(
+    state: tf.TrainState,
+    batch: Batch,
+    temperature: float,
+    return_logps: bool,
+    return_logits: bool,
+) -> ModelOutput:
+    """`outputs` holding only the requested ``logps`` / ``logits`` (with ``loss`` and
+    ``num_tokens``), or an empty `ModelOutput` (no forward) when neither is requested."""
+    if not (return_logps or return_logits):
+        return ModelOutput()
+    out = outputs(state, batch, temperature, return_logits)
+    if not return_logps:
+        del out["logps"]
+    return out
+
+
+def make_group_template(
+    template_cls: Any, tokenizer_id: str | None, kwargs: dict[str, Any]
+) -> Template:
+    """A `Template` (an instance, or the class / 'Template' built with `kwargs`; ``model_id``
+    defaults to `tokenizer_id`). Raises ``ValueError`` for anything else."""
+    if not isinstance(template_cls, Template):
+        kwargs.setdefault("model_id", tokenizer_id)
+    return make_template(template_cls, **kwargs)
+
+
+def make_processor(
+    processor_cls: Any, device_mesh: DeviceMesh, kwargs: dict[str, Any]
+) -> InputProcessor:
+    """An `InputProcessor` (an instance, or the class / 'InputProcessor' built with `kwargs`;
+    ``device_mesh`` defaults to `device_mesh`). Raises ``ValueError`` for anything else."""
+    if isinstance(processor_cls, InputProcessor):
+        return processor_cls
+    if processor_cls in ("InputProcessor", InputProcessor):
+        kwargs.setdefault("device_mesh", device_mesh)
+        return InputProcessor(**kwargs)
+    raise ValueError(f"unknown processor {processor_cls!r}; use 'InputProcessor'")
