@@ -14,6 +14,7 @@ import torch
 
 from twinkle_fn import backends
 from twinkle_fn.backends.fsdp import copy_into_shard
+from twinkle_fn.loss_scale import init_loss_scale
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
@@ -23,7 +24,12 @@ from twinkle_fn.state import Grads, TrainState
 
 
 def init(
-    model: Model, tx: GradientTransformation, mesh: Mesh | None = None, *, seed: int = 0
+    model: Model,
+    tx: GradientTransformation,
+    mesh: Mesh | None = None,
+    *,
+    seed: int = 0,
+    loss_scale: float = 2.0**10,
 ) -> TrainState:
     """A fresh train state: the model's trainable parameters, ``tx.init`` of them, step 0.
 
@@ -31,8 +37,10 @@ def init(
     the optimizer). `mesh` defaults to one process (on several ranks: a whole, unsharded copy
     per rank); a larger mesh must match the world, and the model is first sharded over it, so
     the optimizer state is born sharded like its parameters. Every rank must call this with the
-    same model weights. Raises ``ValueError`` when the model has no trainable parameter or the
-    mesh does not fit the world.
+    same model weights. A transformers-backend model computing in float16 gets a dynamic loss
+    scale starting at `loss_scale` (megatron's optimizer scales its own); the loss here is a
+    token *sum*, so this starts lower than the 2**16 usual for mean losses. Raises ``ValueError``
+    when the model has no trainable parameter or the mesh does not fit the world.
     """
     mesh = mesh or Mesh()
     backend = backends.get(model.backend)
@@ -48,6 +56,9 @@ def init(
         model=model,
         tx=tx,
         mesh=mesh,
+        loss_scale=init_loss_scale(loss_scale)
+        if model.compute_dtype == torch.float16 and model.backend == "fsdp"
+        else None,
     )
 
 
@@ -68,12 +79,12 @@ def shard(state: TrainState, mesh: Mesh) -> TrainState:
             f"this state is already sharded over {state.mesh}; to move it to {mesh}, save it "
             "with tf.checkpoint.save and load it into a state initialised on the new mesh"
         )
-    full_opt, step, rng = tree_leaves(state.opt_state), state.step, state.rng
+    full_opt, step, rng, ls = tree_leaves(state.opt_state), state.step, state.rng, state.loss_scale
     new = init(state.model, state.tx, mesh)
     state.donate("shard")
     for full, leaf in zip(full_opt, tree_leaves(new.opt_state), strict=True):
         copy_into_shard(leaf, full)
-    return new.replace(step=step.clone(), rng=rng.clone())
+    return new.replace(step=step.clone(), rng=rng.clone(), loss_scale=ls)
 
 
 def unshard(state: TrainState) -> dict[str, torch.Tensor]:

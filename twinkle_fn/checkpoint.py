@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from twinkle_fn.backends.fsdp import copy_into_shard, unshard
 from twinkle_fn.backends.hf import bind
 from twinkle_fn.distributed import rank, world_size
+from twinkle_fn.loss_scale import LossScale
 from twinkle_fn.pytree import tree_flatten_with_path, tree_leaves
 from twinkle_fn.state import TrainState
 
@@ -75,6 +76,7 @@ def save(
                 "opt_paths": [p for p, _ in opt],
                 "step": state.step,
                 "rng": state.rng,
+                "loss_scale": None if state.loss_scale is None else tuple(state.loss_scale),
                 "trainable": sorted(state.params),
             }
             if not sharded:
@@ -137,7 +139,9 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
     else:
         for dst, src in zip(tree_leaves(new.opt_state), saved["opt_leaves"], strict=True):
             copy_into_shard(dst, src)
-    return new.replace(step=saved["step"].clone(), rng=saved["rng"].clone())
+    ls = saved.get("loss_scale")
+    loss_scale = new.loss_scale if ls is None or new.loss_scale is None else LossScale(*ls)
+    return new.replace(step=saved["step"].clone(), rng=saved["rng"].clone(), loss_scale=loss_scale)
 
 
 def _check_backend(state: TrainState) -> None:

@@ -76,7 +76,8 @@ class TrainState(_Donatable):
     Children (tensors): ``params`` (trainable parameters, ``dict[name, nn.Parameter]``, the very
     tensors the module computes with), ``opt_state`` (the optimizer transform's state), ``step``
     (0-d int64 on CPU: optimizer updates applied) and ``rng`` (0-d int64 on CPU: the random key
-    that seeds dropout for the next step). Static: ``model`` (a `twinkle_fn.models.Model`: module
+    that seeds dropout for the next step), and ``loss_scale`` (a `LossScale` under float16
+    compute, else None). Static: ``model`` (a `twinkle_fn.models.Model`: module
     skeleton, family and backend), ``tx`` (a `GradientTransformation`) and ``mesh``.
     """
 
@@ -87,21 +88,22 @@ class TrainState(_Donatable):
     model: Any = dataclasses.field(repr=False)
     tx: Any = dataclasses.field(repr=False)
     mesh: Any = None
+    loss_scale: Any = None  # a `LossScale` when computing in float16, else None
     _donation: _Donation = dataclasses.field(default_factory=_Donation, repr=False, compare=False)
 
-    _LEAVES = ("params", "opt_state", "step", "rng")
+    _LEAVES = ("params", "opt_state", "step", "rng", "loss_scale")
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
         """optree protocol: tensor children, static metadata, child names."""
-        children = (self.params, self.opt_state, self.step, self.rng)
+        children = (self.params, self.opt_state, self.step, self.rng, self.loss_scale)
         return children, (self.model, self.tx, self.mesh), self._LEAVES
 
     @classmethod
     def tree_unflatten(cls, meta: tuple[Any, ...], children: tuple[Any, ...]) -> TrainState:
         """optree protocol: rebuild from `tree_flatten`'s output."""
-        params, opt_state, step, rng = children
+        params, opt_state, step, rng, loss_scale = children
         model, tx, mesh = meta
-        return cls(params, opt_state, step, rng, model, tx, mesh)
+        return cls(params, opt_state, step, rng, model, tx, mesh, loss_scale)
 
     def copy(self) -> TrainState:
         """A deep copy of every tensor (parameters stay ``nn.Parameter``s), sharing static metadata."""

@@ -17,6 +17,7 @@ MESHES = {
     "tp2": {"tp": 2},
     "dp2xtp2": {"dp": 2, "tp": 2},
     "fsdp2xtp2": {"fsdp": 2, "tp": 2},
+    "hsdp:dp2xfsdp2": {"dp": 2, "fsdp": 2},
     "tp2+sp": {"tp": 2, "sequence_parallel": True},
 }
 
@@ -168,3 +169,16 @@ def test_accumulated_micro_batches_on_a_mesh_match_one_process(name, reference):
         assert losses == pytest.approx(ref_losses, rel=1e-11)
         for n, p in params.items():
             torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)
+
+
+def _train_fp16(mesh_sizes):
+    return _train(mesh_sizes, precision="fp16", dtype=torch.float32)
+
+
+def test_fp16_with_loss_scaling_on_fsdp2_tracks_one_process():
+    """float16 compute, dynamic loss scale, float32 master weights and reductions: every rank
+    sees the same global grad norm, so all skip or step together; losses follow one process to
+    fp16 accuracy."""
+    ref_losses, _ = _train({}, precision="fp16", dtype=torch.float32)
+    for losses, _ in spawn(_train_fp16, 2, {"fsdp": 2}):
+        assert losses == pytest.approx(ref_losses, rel=2e-2)

@@ -99,7 +99,8 @@ def fwd_bwd(
     try:
         with _seeded(state.rng, micro_index, state.model.device):
             out = loss_of(state, batch)
-        out.loss_sum.backward()
+        ls = state.loss_scale  # float16: scale up so small gradients do not underflow
+        (out.loss_sum if ls is None else out.loss_sum * float(ls.scale)).backward()
         grads = {n: _grad_like(p) for n, p in params.items()}
     finally:
         for p in params.values():

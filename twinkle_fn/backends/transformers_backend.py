@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from twinkle_fn.backends import fsdp, hf
+from twinkle_fn.loss_scale import next_loss_scale
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
@@ -46,17 +47,26 @@ class TransformersBackend:
         num_tokens = fsdp.all_reduce_dp(grads.num_tokens, placement)
         loss_sum = fsdp.all_reduce_dp(grads.loss_sum, placement)
         g = grads.params
-        foreach_mul_(list(g.values()), 1.0 / num_tokens.clamp(min=1).double())
+        ls = state.loss_scale
+        scale = num_tokens.clamp(min=1).double() * (1.0 if ls is None else ls.scale.item())
+        foreach_mul_(list(g.values()), 1.0 / scale)
         grad_norm = tree_global_norm(g)
+        info = {"loss": loss_sum / num_tokens.clamp(min=1), "grad_norm": grad_norm}
+        info["num_tokens"] = num_tokens
+        if ls is not None:
+            # float16 only: an overflowed step must be skipped, which needs the norm on the host.
+            finite = bool(torch.isfinite(grad_norm))
+            info.update(loss_scale=ls.scale.item(), skipped=not finite)
+            ls = next_loss_scale(ls, finite)
+            if not finite:
+                info["lr"] = current_lr(state.opt_state)
+                return state.replace(rng=hf.next_key(state.rng), loss_scale=ls), info
         updates, opt_state = state.tx.update(g, state.opt_state, state.params)
         apply_updates(state.params, updates)
-        new = state.replace(opt_state=opt_state, step=state.step + 1, rng=hf.next_key(state.rng))
-        info = {
-            "loss": loss_sum / num_tokens.clamp(min=1),
-            "grad_norm": grad_norm,
-            "num_tokens": num_tokens,
-            "lr": current_lr(opt_state),
-        }
+        info["lr"] = current_lr(opt_state)
+        new = state.replace(
+            opt_state=opt_state, step=state.step + 1, rng=hf.next_key(state.rng), loss_scale=ls
+        )
         return new, info
 
     def after_eval(self, model: Model) -> None:
