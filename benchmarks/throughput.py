@@ -376,7 +376,8 @@ def _mcore_step(setup: Setup, our_spec: bool) -> Step:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from twinkle_fn.megatron.config import padded_vocab_size, transformer_config
+    from twinkle_fn.megatron.bridge_transforms import padded_vocab_size
+    from twinkle_fn.megatron.config import transformer_config
     from twinkle_fn.megatron.model import build_gpt_model, rope_settings
 
     cfg, mesh = setup.config, Mesh()

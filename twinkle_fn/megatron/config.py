@@ -1,8 +1,8 @@
 """megatron-core's ``TransformerConfig`` derived from an HF config and a `Mesh`.
 
 One function per concern: `transformer_config` maps the architecture (GQA, RMSNorm, SwiGLU, q/k
-norm, qkv bias, MoE router and experts) and the parallel sizes; `padded_vocab_size` is Megatron's
-vocabulary padding. Rotary embeddings and tied embeddings are ``GPTModel`` arguments, not config
+norm, qkv bias, MoE router and experts) and the parallel sizes (Megatron's vocabulary padding is
+`twinkle_fn.megatron.bridge_transforms.padded_vocab_size`). Rotary embeddings and tied embeddings are ``GPTModel`` arguments, not config
 fields: `twinkle_fn.megatron.model` sets them.
 """
 
@@ -23,19 +23,6 @@ _MOE_FAMILIES = ("qwen3_moe",)
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 _QKV_BIAS_FAMILIES = ("qwen2",)
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    """`vocab_size` rounded up to a multiple of ``multiple * tp`` (Megatron's padding).
-
-    Each of the `tp` ranks then holds an equal, `multiple`-aligned slice of the embedding.
-    Raises ``ValueError`` for a non-positive argument.
-    """
-    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("multiple", multiple)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"padded_vocab_size {name} must be a positive int, got {value!r}")
-    step = multiple * tp
-    return -(-vocab_size // step) * step
 
 
 def _require_divides(size: int, axis: str, count: int, what: str) -> None:

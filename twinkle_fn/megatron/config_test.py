@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
-from twinkle_fn.megatron.config import padded_vocab_size, transformer_config
+from twinkle_fn.megatron.bridge_transforms import padded_vocab_size
+from twinkle_fn.megatron.config import transformer_config
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import FAMILIES
 from twinkle_fn.testing import tiny_config
@@ -134,5 +135,5 @@ def test_padded_vocab_size_is_the_smallest_aligned_size():
                 step = multiple * tp
                 assert size % step == 0 and vocab <= size < vocab + step
     assert padded_vocab_size(151936, 8) == 152576
-    with pytest.raises(ValueError, match="tp must be a positive int"):
+    with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
         padded_vocab_size(100, 0)

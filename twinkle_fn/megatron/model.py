@@ -10,7 +10,8 @@ from megatron.core.models.gpt import GPTModel
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from twinkle_fn.megatron.config import padded_vocab_size, transformer_config
+from twinkle_fn.megatron.bridge_transforms import padded_vocab_size
+from twinkle_fn.megatron.config import transformer_config
 from twinkle_fn.megatron.spec import decoder_spec
 from twinkle_fn.mesh import Mesh
 
