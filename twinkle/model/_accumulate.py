@@ -25,17 +25,23 @@ class Pending:
     grads: tf.Grads | None = None
     clip: float | None = None
     last_step: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Calls to `add`, not the core's count: a megatron pipeline splits each call further.
+    micro_batches: int = 0
 
-    def add(self, state: tf.TrainState, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Forward and backward on `batch`, adding its gradients; returns its token-mean
-        ``loss`` and ``num_tokens``."""
+    def add(
+        self, state: tf.TrainState, batch: Mapping[str, torch.Tensor], *, counts: bool = True
+    ) -> dict[str, Any]:
+        """Forward and backward on `batch`, adding its gradients (one more micro-batch unless
+        `counts` is False: a later part of the same one); returns its token-mean ``loss`` and
+        ``num_tokens``."""
         self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads)
+        self.micro_batches += counts
         num_tokens = int(aux["num_tokens"])
         return {"loss": float(aux["loss_sum"]) / max(num_tokens, 1), "num_tokens": num_tokens}
 
     def due(self, accumulation_steps: int) -> bool:
         """Whether the pending gradients hold (at least) the micro-batches of one step."""
-        return self.grads is not None and self.grads.num_micro_batches >= accumulation_steps
+        return self.grads is not None and self.micro_batches >= accumulation_steps
 
     def set_clip(self, max_grad_norm: float, norm_type: float) -> None:
         """Clip the coming step's gradients to `max_grad_norm`. Raises ``ValueError`` for a
@@ -53,8 +59,12 @@ class Pending:
     def step(self, state: tf.TrainState, g: _group.Group) -> tf.TrainState:
         """`state` after one update of group `g`'s optimizer from the pending gradients (then
         cleared), clipped to the chosen norm; records ``last_step``."""
+        return self.apply(state.replace(tx=_group.transform(g, self.clip)))
+
+    def apply(self, state: tf.TrainState) -> tf.TrainState:
+        """`state` after one update of its own transform from the pending gradients (then
+        cleared); records ``last_step``."""
         assert self.grads is not None
-        state = state.replace(tx=_group.transform(g, self.clip))
         state, info = tf.step(state, self.grads)
         self.clear()
         self.last_step = {
@@ -68,4 +78,4 @@ class Pending:
 
     def clear(self) -> None:
         """Drop the pending gradients and the clip norm."""
-        self.grads, self.clip = None, None
+        self.grads, self.clip, self.micro_batches = None, None, 0

@@ -81,10 +81,13 @@ def build_model(
     mixed_precision: str,
     fsdp_config: Mapping[str, Any],
     seed: int | None,
+    *,
+    backend: str = "fsdp",
+    options: Mapping[str, Any] | None = None,
 ) -> tf.models.Model:
     """The core model from `model_id` (its own config.json), else from `config` with the
-    `overrides` fields set (random init from `seed`). ``dtype``/``torch_dtype`` are popped from
-    `overrides` first: the parameters' dtype.
+    `overrides` fields set (random init from `seed`), for `backend` with its `options`.
+    ``dtype``/``torch_dtype`` are popped from `overrides` first: the parameters' dtype.
 
     Raises ``ValueError`` for `config`/fields next to a `model_id`, for neither given, and for
     a field that is not one of `config`'s.
@@ -93,6 +96,8 @@ def build_model(
     build = dict(
         precision=PRECISIONS[mixed_precision],
         activation_checkpointing=bool(fsdp_config.get("activation_checkpointing", False)),
+        backend=backend,
+        options=options,
     )
     if model_id is not None:
         if config is not None or overrides:

@@ -1,35 +1,370 @@
-"""`MegatronModel`: upstream Twinkle's Megatron class, not part of this build yet."""
+"""`MegatronModel`: upstream Twinkle's Megatron class over the core's megatron backend.
+
+The object holds a `TrainState` of a ``backend="megatron"`` model (built lazily, so the optimizer
+and scheduler are set first) and the pending `Grads` (views of megatron's DDP grad buffers):
+
+- ``forward_backward`` = ``tf.fwd_bwd(state, batch, accum=pending)`` (megatron's schedule runs
+  forward and backward together);
+- ``clip_grad_and_step`` = ``tf.step(state, pending)`` once exactly N calls are pending
+  (N = ``gradient_accumulation_steps``), so the update is normalised over all their tokens.
+  Upstream steps one micro-batch late; this does not.
+
+The optimizer is always megatron-core's distributed Adam (`megatron_optimizer`) and the lr
+follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstream allows.
+Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too), checkpoints and
+adapters (the core's megatron backend does not save or load, nor add LoRA, yet).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from transformers import AutoConfig, PretrainedConfig
+
+import twinkle_fn as tf
+from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
-from twinkle.infra import remote_class
-from twinkle_fn import backends
+from twinkle.infra import remote_class, remote_function, settings
+from twinkle.model import _accumulate, _build, _group, _inputs, optim
+from twinkle.processor import InputProcessor
+from twinkle_fn.models.model import resolve_model_dir
+
+OPTIMIZERS = ("default", "MegatronDistributedOptimizer")
+SCHEDULERS = ("default", "OptimizerParamScheduler")
+DEFAULT_LR = 1e-4  # upstream's OptimizerConfig default
+# Upstream's set_optimizer names (megatron's OptimizerConfig) -> `megatron_optimizer`'s.
+_OPTIMIZER_ARGS = {
+    "weight_decay": "weight_decay",
+    "adam_beta1": "b1",
+    "adam_beta2": "b2",
+    "adam_eps": "eps",
+    "clip_grad": "clip_grad",
+    "loss_scale": "loss_scale",
+    "initial_loss_scale": "initial_loss_scale",
+}
+# What the core's DDP does (upstream's defaults); other values are refused.
+_DDP_CONFIG = {
+    "overlap_grad_reduce": False,
+    "overlap_param_gather": False,
+    "grad_reduce_in_fp32": True,
+    "use_distributed_optimizer": True,
+}
+_PRECISIONS = ("no", "bf16", "fp16")
+
+
+def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> optim.OptimizerSpec:
+    """Megatron's distributed Adam with upstream's ``OptimizerConfig`` arguments (``lr``
+    default 1e-4, ``weight_decay``, ``adam_beta1``/``adam_beta2``/``adam_eps``, ``clip_grad``
+    default 1.0, ``loss_scale``, ``initial_loss_scale``).
+
+    Raises ``ValueError`` for an optimizer other than 'default' / 'MegatronDistributedOptimizer'
+    or an out-of-range value, ``TypeError`` for an unknown argument.
+    """
+    name = optim._name(optimizer_cls)
+    if name not in OPTIMIZERS:
+        raise ValueError(
+            f"MegatronModel does not support optimizer {optimizer_cls!r}: megatron trains with "
+            f"its distributed optimizer only; pass one of {', '.join(map(repr, OPTIMIZERS))}"
+        )
+    lr = kwargs.pop("lr", DEFAULT_LR)
+    unknown = sorted(set(kwargs) - set(_OPTIMIZER_ARGS))
+    if unknown:
+        raise TypeError(
+            f"set_optimizer arguments {unknown} are not supported; known: lr, "
+            f"{', '.join(_OPTIMIZER_ARGS)}"
+        )
+    spec = optim.OptimizerSpec(
+        OPTIMIZERS[1], lr, {_OPTIMIZER_ARGS[k]: v for k, v in kwargs.items()}
+    )
+    _megatron_optimizer()(lr, **spec.kwargs)  # check the values now, not at the first step
+    return spec
+
+
+def _check_options(mixed_precision: str, ddp_config: Mapping[str, Any] | None) -> None:
+    if mixed_precision not in _PRECISIONS:
+        raise ValueError(
+            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, got {mixed_precision!r}"
+        )
+    for key, value in (ddp_config or {}).items():
+        if _DDP_CONFIG.get(key, object()) != value:
+            raise ValueError(
+                f"ddp_config {key}={value!r} is not supported: the core's megatron DDP runs "
+                f"with {_DDP_CONFIG}"
+            )
+
+
+def _recompute(granularity: str | None, method: str | None, num_layers: int | None) -> dict:
+    """Megatron's recompute fields: none without a granularity, only it for 'selective'."""
+    if granularity is None:
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": granularity}
+    return dict(
+        recompute_granularity=granularity,
+        recompute_method=method,
+        recompute_num_layers=num_layers,
+    )
 
 
 @remote_class(execute="all")
 class MegatronModel:
-    """Upstream's ``MegatronModel(model_id, config=None, device_mesh=None,
-    mixed_precision='bf16', **kwargs)``; constructing it raises ``ValueError`` until the class
-    API is built over the core's megatron backend. Use `twinkle.model.TransformersModel`."""
+    """A causal LM trained by megatron-core through `twinkle_fn`, with upstream's methods.
+
+    `model_id`: a local HF directory or ``hf://``/``ms://`` id; each rank reads its slices of
+    the safetensors (``load_weights=False``: a random init of its config). Without `model_id`,
+    `config` (an HF config) builds a random init. `device_mesh` (default: the `initialize`
+    mesh, else dp over the world) gives tp / pp / cp / ep / sequence_parallel; it must match
+    the world. `mixed_precision`: ``'no'`` (fp32), ``'bf16'`` or ``'fp16'`` over fp32 master
+    weights. `ddp_config`: only upstream's defaults (no overlap, fp32 grad reduce, distributed
+    optimizer). `recompute_*`: megatron's activation recompute (granularity None: off). Other
+    keyword arguments: ``tokenizer_id``, ``seed`` (init and dropout; default the `initialize`
+    seed), ``num_micro_batches`` (pipeline micro-batches per call; default pp size), and any
+    megatron ``TransformerConfig`` field. Raises ``ValueError`` for unsupported options, a mesh
+    that does not match the world, or no model source.
+    """
 
     def __init__(
         self,
-        model_id: str | os.PathLike[str],
-        config: Any = None,
+        model_id: str | os.PathLike[str] | None = None,
+        config: PretrainedConfig | None = None,
+        ddp_config: Mapping[str, Any] | None = None,
         device_mesh: DeviceMesh | None = None,
         mixed_precision: str = "bf16",
+        load_weights: bool = True,
+        recompute_granularity: str | None = "full",
+        recompute_method: str | None = "uniform",
+        recompute_num_layers: int | None = 1,
         **kwargs: Any,
     ) -> None:
-        if "megatron" not in backends.names():
-            raise ValueError(
-                "MegatronModel: the megatron backend is not available in this build; use "
-                "TransformersModel (FSDP2/TP over the transformers backend)"
-            )
-        raise ValueError(
-            "MegatronModel: the class API over the megatron backend is not built yet; use the "
-            "functional API (twinkle_fn with backend='megatron') or TransformersModel"
+        _check_options(mixed_precision, ddp_config)
+        self.device_mesh = _build.device_mesh(device_mesh)
+        self.mixed_precision = mixed_precision
+        self.model_id = None if model_id is None else os.fspath(model_id)
+        self.tokenizer_id = kwargs.pop("tokenizer_id", self.model_id)
+        self._seed = kwargs.pop("seed", settings().seed)
+        if model_id is not None and not load_weights:
+            model_id, config = None, AutoConfig.from_pretrained(resolve_model_dir(model_id))
+        if model_id is None and config is None:
+            raise ValueError("MegatronModel needs model_id=<dir or hub id> or config=")
+        options = {**_recompute(recompute_granularity, recompute_method, recompute_num_layers)}
+        options.update(kwargs)
+        self._model = _build.build_model(
+            model_id,
+            None if model_id is not None else config,
+            {},
+            mixed_precision,
+            {},
+            self._seed,
+            backend="megatron",
+            options=options,
         )
+        self._group = _group.Group(
+            optimizer=optimizer_spec("default"), processor=InputProcessor(self.device_mesh)
+        )
+        self._state: tf.TrainState | None = None
+        self._pending = _accumulate.Pending()
+
+    @property
+    def state(self) -> tf.TrainState:
+        """The current `twinkle_fn.TrainState` (built on first access; a collective)."""
+        return self._ensure_state()
+
+    def _ensure_state(self) -> tf.TrainState:
+        if self._state is None:
+            g = self._group
+            tx = _megatron_optimizer()(_group.learning_rate(g), **g.optimizer.kwargs)
+            self._state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
+        return self._state
+
+    def _check_unbuilt(self, what: str) -> None:
+        if self._state is not None:
+            raise ValueError(
+                f"{what} must be called before the first forward_backward: megatron's "
+                "distributed optimizer is built with the train state"
+            )
+
+    # Training calls.
+    @remote_function(dispatch="slice_dp", collect="mean", sync=True)
+    def forward_backward(
+        self,
+        *,
+        inputs: Any,
+        micro_batch_size: int | None = None,
+        adapter_name: str | None = None,
+    ) -> ModelOutput:
+        """Forward and backward on this rank's `inputs` (megatron's schedule), adding the
+        gradients to the pending ones. Counts as one micro-batch of gradient accumulation.
+
+        `inputs`: feature dicts (``input_ids``, already-shifted ``labels``), chat trajectories
+        or a collated batch. `micro_batch_size`: rows per megatron run (default: the whole
+        list at once, split into ``num_micro_batches`` pipeline micro-batches). Returns
+        ``loss`` (token mean on this rank) and ``num_tokens``. Raises ``TypeError`` for a
+        `micro_batch_size` with a collated batch, ``ValueError`` for a non-positive one.
+        """
+        g = _group.resolve(self._group, adapter_name)
+        state = self._ensure_state()
+        loss_sum, num_tokens = 0.0, 0
+        for i, chunk in enumerate(_chunks(inputs, micro_batch_size)):
+            batch = _inputs.encode(g, self.tokenizer_id, chunk)
+            out = self._pending.add(state, batch, counts=i == 0)
+            loss_sum += out["loss"] * out["num_tokens"]
+            num_tokens += out["num_tokens"]
+        return ModelOutput(loss=loss_sum / max(num_tokens, 1), num_tokens=num_tokens)
+
+    @remote_function(dispatch="slice_dp", collect="mean")
+    def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
+        """An evaluation forward (no gradient): this rank's token-mean ``loss`` and
+        ``num_tokens``, the same on every pipeline stage."""
+        g = _group.resolve(self._group, adapter_name)
+        out = tf.evaluate(self._ensure_state(), _inputs.encode(g, self.tokenizer_id, inputs))
+        num_tokens = int(out.num_tokens)
+        return ModelOutput(loss=float(out.loss_sum) / max(num_tokens, 1), num_tokens=num_tokens)
+
+    def forward(self, **kwargs: Any) -> None:
+        """Not available: raises ``TypeError`` (megatron runs forward and backward together)."""
+        raise TypeError(_TOGETHER.format("forward"))
+
+    def calculate_loss(self, **kwargs: Any) -> None:
+        """Not available: raises ``TypeError`` (the loss is computed inside forward_backward)."""
+        raise TypeError(_TOGETHER.format("calculate_loss"))
+
+    def backward(self, **kwargs: Any) -> None:
+        """Not available: raises ``TypeError`` (megatron runs forward and backward together)."""
+        raise TypeError(_TOGETHER.format("backward"))
+
+    def _due(self, adapter_name: str | None, gradient_accumulation_steps: int | None) -> bool:
+        g = _group.resolve(self._group, adapter_name)
+        return self._pending.due(_group.accumulation_steps(g, gradient_accumulation_steps))
+
+    @remote_function(dispatch="all", sync=True)
+    def clip_grad_and_step(
+        self,
+        max_grad_norm: float = 1.0,
+        norm_type: float = 2,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+    ) -> float | None:
+        """After exactly `gradient_accumulation_steps` forward_backward calls (default: the
+        group's): one update of megatron's optimizer (it clips to its ``clip_grad``) and the
+        schedule; returns the global gradient norm before clipping, else None.
+
+        Raises ``ValueError`` when `max_grad_norm` differs from the optimizer's ``clip_grad``
+        (set it with ``set_optimizer(clip_grad=...)``) or `norm_type` is not 2.
+        """
+        clip = self._group.optimizer.kwargs.get("clip_grad", 1.0)
+        if max_grad_norm != clip or norm_type != 2:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm}, norm_type={norm_type}: megatron's optimizer "
+                f"clips by the L2 norm to its clip_grad={clip}; set it with "
+                "set_optimizer('default', clip_grad=...)"
+            )
+        if not self._due(adapter_name, gradient_accumulation_steps):
+            return None
+        self._state = self._pending.apply(self._ensure_state())
+        return self._pending.last_step["grad_norm"]
+
+    @remote_function(collect="first")
+    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
+        """The last step's ``loss`` (token mean over its calls and data ranks), ``grad_norm``,
+        ``lr``, ``num_tokens`` and ``step``."""
+        _group.resolve(self._group, adapter_name)
+        return dict(self._pending.last_step)
+
+    # Settings.
+    @remote_function()
+    def set_optimizer(self, optimizer_cls: Any, **kwargs: Any) -> None:
+        """Use megatron's distributed optimizer ('default' / 'MegatronDistributedOptimizer')
+        with upstream's arguments (see `optimizer_spec`). Raises ``ValueError`` for any other
+        optimizer, naming the accepted ones, and after the first forward_backward."""
+        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
+        spec = optimizer_spec(optimizer_cls, **kwargs)
+        self._check_unbuilt("set_optimizer")
+        g.optimizer = spec
+
+    @remote_function()
+    def set_lr_scheduler(self, scheduler_cls: Any, **kwargs: Any) -> None:
+        """Schedule the lr as megatron's ``OptimizerParamScheduler`` ('default' /
+        'OptimizerParamScheduler'; ``lr_decay_steps``, ``lr_warmup_steps``, ``lr_decay_style``,
+        ``max_lr`` (default the optimizer's lr), ``min_lr``, ...), counted in optimizer steps.
+        Raises ``ValueError`` for any other scheduler, naming the accepted ones, for values
+        megatron rejects, and after the first forward_backward."""
+        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
+        if optim._name(scheduler_cls) not in SCHEDULERS:
+            raise ValueError(
+                f"MegatronModel does not support lr scheduler {scheduler_cls!r}: megatron "
+                f"schedules with OptimizerParamScheduler only; pass one of "
+                f"{', '.join(map(repr, SCHEDULERS))}"
+            )
+        self._check_unbuilt("set_lr_scheduler")
+        _group.set_scheduler(g, scheduler_cls, kwargs)
+
+    @remote_function()
+    def set_template(self, template_cls: Any = "Template", **kwargs: Any) -> None:
+        """Encode chat trajectories with a `Template` (as `TransformersModel.set_template`)."""
+        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
+        g.template = _inputs.make_group_template(template_cls, self.tokenizer_id, kwargs)
+
+    @remote_function()
+    def set_processor(self, processor_cls: Any = "InputProcessor", **kwargs: Any) -> None:
+        """Collate with an `InputProcessor` (as `TransformersModel.set_processor`)."""
+        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
+        g.processor = _inputs.make_processor(processor_cls, self.device_mesh, kwargs)
+
+    # Not wired in the core's megatron backend yet.
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: raises ``ValueError`` (megatron checkpoints are not wired yet)."""
+        raise ValueError(_NO_CHECKPOINTS.format("save"))
+
+    def load(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: raises ``ValueError`` (megatron checkpoints are not wired yet)."""
+        raise ValueError(_NO_CHECKPOINTS.format("load"))
+
+    def resume_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: raises ``ValueError`` (megatron checkpoints are not wired yet)."""
+        raise ValueError(_NO_CHECKPOINTS.format("resume_from_checkpoint"))
+
+    @remote_function(execute="first")
+    def get_train_configs(self, adapter_name: str | None = None) -> str:
+        """A readable summary of how this model trains."""
+        g = _group.resolve(self._group, adapter_name)
+        lines = [
+            f"model: {self.model_id or 'from config'} ({self._model.family}, megatron-core)",
+            f"device_mesh: {self.device_mesh}",
+            f"mixed_precision: {self.mixed_precision}",
+            f"megatron options: {dict(self._model.options)}",
+            *_group.describe(g),
+        ]
+        return "\n".join(lines)
+
+
+_TOGETHER = (
+    "MegatronModel.{} is not available: megatron runs forward and backward together in its "
+    "pipeline schedule; call forward_backward(inputs=...) (forward_only(inputs=...) to evaluate)"
+)
+_NO_CHECKPOINTS = (
+    "MegatronModel.{} is not available: megatron checkpoints are not wired yet (the core's "
+    "megatron backend does not save or load); use TransformersModel to save and load"
+)
+
+
+def _chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
+    """`inputs` whole, or as lists of `micro_batch_size` samples."""
+    if micro_batch_size is None:
+        return [inputs]
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if isinstance(inputs, Mapping) or not isinstance(inputs, Sequence):
+        raise TypeError("micro_batch_size needs inputs as a list of features / trajectories")
+    return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
+
+
+def _megatron_optimizer() -> Any:
+    """`twinkle_fn.backends.megatron.megatron_optimizer`, imported on first use: megatron-core
+    takes seconds to import and `TransformersModel` users never need it."""
+    from twinkle_fn.backends.megatron import megatron_optimizer
+
+    return megatron_optimizer
