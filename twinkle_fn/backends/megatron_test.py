@@ -298,27 +298,6 @@ def test_from_pretrained_reads_each_rank_slices_exactly(two_ranks):
         assert all(torch.equal(loaded[n], want[n]) for n in want)
 
 
-def test_megatron_optimizer_needs_a_megatron_model():
-    with pytest.raises(TypeError, match="prepared by the megatron backend"):
-        megatron_optimizer(1e-3).init({"w": torch.zeros(2)})
-    with pytest.raises(ValueError, match="b1"):
-        megatron_optimizer(1e-3, b1=1.0)
-
-
-@pytest.mark.parametrize(
-    ("options", "match"),
-    [
-        ({"tensor_model_parallel_size": 2}, "set by the mesh"),
-        ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline"),
-        ({"num_micro_batches": 0}, "num_micro_batches must be a positive int"),
-    ],
-)
-def test_options_the_backend_decides_are_refused(options, match):
-    model = _model("qwen2", "megatron", options=options)
-    with pytest.raises(ValueError, match=match):
-        tf.backends.get("megatron").prepare(model, tf.Mesh())
-
-
 def _save_megatron_state(path):
     model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, backend="megatron")
     state = tf.init(model, megatron_optimizer(1e-3))

@@ -1,0 +1,249 @@
+"""Where a model lives on the megatron backend, and how it gets there.
+
+`place` builds this rank's ``GPTModel`` pipeline stage from the model's HF config over
+megatron-core's process groups (`twinkle_fn.megatron.parallel`), loads this rank's slices of the
+HF weights through the bridge, and wraps the stage in ``Float16Module`` (bf16 / fp16) and
+megatron's ``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout, no
+overlap). `twinkle_fn.backends.megatron` describes the ``Model.options`` it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.module import Float16Module
+from torch import Tensor
+from transformers.core_model_loading import revert_weight_conversion
+
+from twinkle_fn.megatron import parallel
+from twinkle_fn.megatron.bridge import hf_to_mcore
+from twinkle_fn.megatron.model import build_gpt_model
+from twinkle_fn.megatron.safetensors_io import SafetensorsReader
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.model import Model
+
+PLACEMENT_ATTR = "twinkle_placement"  # set on every parameter by `prepare`
+_OWN_OPTIONS = ("num_micro_batches", "vocab_multiple", "use_te")
+# TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
+_FIXED_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "sequence_parallel",
+    "calculate_per_token_loss",
+    "finalize_model_grads_func",
+    "bf16",
+    "fp16",
+)
+# What the models' ``activation_checkpointing=True`` means in megatron's terms.
+_FULL_RECOMPUTE = MappingProxyType(
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+)
+
+
+@dataclasses.dataclass(eq=False)
+class MegatronPlacement:
+    """Where a model lives on the megatron backend (``Model.placement``).
+
+    ``chunks``: this rank's model chunks wrapped in megatron's DDP (one: virtual pipelining is
+    refused); ``module``: the unwrapped ``GPTModel`` stage, whose parameter names the state
+    uses; ``live_grads``: the parameter tree of the `Grads` that owns the DDP grad buffers now
+    (None when none does), so that stale gradients are refused instead of silently read.
+    """
+
+    mesh: Mesh
+    chunks: list[DistributedDataParallel]
+    module: torch.nn.Module
+    hf_config: Any
+    compute_dtype: torch.dtype
+    num_micro_batches: int
+    vocab_multiple: int
+    live_grads: dict[str, Tensor] | None = None
+
+    @property
+    def seq_multiple(self) -> int:
+        """What every micro-batch's sequence length must divide by (sequence parallelism)."""
+        return self.mesh.tp if self.mesh.sequence_parallel else 1
+
+
+def place(model: Model, mesh: Mesh) -> MegatronPlacement:
+    """Build, load and wrap this rank's ``GPTModel`` stage of `model` for `mesh`.
+
+    Starts a one-rank process group when there is none and `mesh` has one rank, and
+    megatron-core's parallel state (seed 0) unless it is already initialised for `mesh`; sets
+    the placement on every parameter as attribute `PLACEMENT_ATTR`. Raises ``ValueError`` for
+    unknown options, a megatron-core already initialised for another mesh, or as
+    ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
+    when the weights do not fit the model.
+    """
+    num_micro_batches, vocab_multiple, use_te, overrides = _options(model.options, mesh)
+    if getattr(model.module, "is_gradient_checkpointing", False):
+        overrides = {**_FULL_RECOMPUTE, **overrides}
+    _ensure_process_group(mesh)
+    _ensure_parallel_state(mesh)
+    dtype = model.compute_dtype
+    gpt = build_gpt_model(
+        model.config,
+        mesh,
+        use_te=use_te,
+        vocab_multiple=vocab_multiple,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        **overrides,
+    )
+    _load_weights(gpt, model, mesh, vocab_multiple)
+    wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
+    placement = MegatronPlacement(
+        mesh=mesh,
+        chunks=[_ddp(gpt, wrapped)],
+        module=gpt,
+        hf_config=model.config,
+        compute_dtype=dtype,
+        num_micro_batches=num_micro_batches,
+        vocab_multiple=vocab_multiple,
+    )
+    for p in gpt.parameters():
+        setattr(p, PLACEMENT_ATTR, placement)
+    return placement
+
+
+def model_placement(model: Model) -> MegatronPlacement:
+    """`model`'s placement. Raises ``ValueError`` for a model not prepared by this backend."""
+    placement = model.placement
+    if not isinstance(placement, MegatronPlacement):
+        raise ValueError(
+            "this model is not prepared by the megatron backend; build it with "
+            "backend='megatron' and initialise it with tf.init(model, tx, mesh)"
+        )
+    return placement
+
+
+def _options(options: Mapping[str, Any], mesh: Mesh) -> tuple[int, int, bool | None, dict]:
+    """``(num_micro_batches, vocab_multiple, use_te, TransformerConfig overrides)``."""
+    fixed = sorted(set(options) & set(_FIXED_FIELDS))
+    if fixed:
+        raise ValueError(
+            f"option(s) {', '.join(fixed)} are set by the mesh and the megatron backend (tp, pp, "
+            "cp, ep, etp and sequence_parallel from twinkle_fn.Mesh, precision from the model; "
+            "virtual pipeline parallelism is not supported yet); drop them from the options"
+        )
+    overrides = {k: v for k, v in options.items() if k not in _OWN_OPTIONS}
+    num = options.get("num_micro_batches", mesh.pp)
+    multiple = options.get("vocab_multiple", 128)
+    for name, value in (("num_micro_batches", num), ("vocab_multiple", multiple)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"option {name} must be a positive int, got {value!r}")
+    return num, multiple, options.get("use_te"), overrides
+
+
+def _ensure_process_group(mesh: Mesh) -> None:
+    if dist.is_initialized():
+        return
+    if mesh.world_size != 1:
+        raise RuntimeError(
+            f"{mesh} needs {mesh.world_size} processes joined by torch.distributed; launch with "
+            "torchrun and call twinkle_fn.distributed.init_distributed() first"
+        )
+    # megatron-core needs a process group even on one process: an in-memory one-rank store.
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _ensure_parallel_state(mesh: Mesh) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        parallel.initialize(mesh, seed=0)
+        return
+    live = dict(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        data=parallel_state.get_data_parallel_world_size(),
+    )
+    wanted = dict(
+        tp=mesh.tp, pp=mesh.pp, cp=mesh.cp, ep=mesh.ep, etp=mesh.etp, data=mesh.data_world_size
+    )
+    if live != wanted:
+        raise ValueError(
+            f"megatron-core is initialised for {live}, but the mesh asks for {wanted}; call "
+            "twinkle_fn.megatron.parallel.destroy() before preparing a model on another mesh"
+        )
+
+
+def _load_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
+    """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
+    the model has a ``weights_dir``, else from its module, in HF checkpoint names)."""
+    rank = dist.get_rank()
+    coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
+    if model.weights_dir is not None:
+        with SafetensorsReader(model.weights_dir) as reader:
+            _load_local(gpt, reader, model, coords, expert, mesh, vocab_multiple)
+    else:
+        state = revert_weight_conversion(model.module, model.module.state_dict())
+        _load_local(gpt, state, model, coords, expert, mesh, vocab_multiple)
+
+
+def _load_local(
+    gpt: torch.nn.Module,
+    source: Any,
+    model: Model,
+    coords: dict[str, int],
+    expert: dict[str, int],
+    mesh: Mesh,
+    vocab_multiple: int,
+) -> None:
+    local = hf_to_mcore(
+        source,
+        model.config,
+        tp_rank=coords["tp"],
+        tp_size=mesh.tp,
+        pp_rank=coords["pp"],
+        pp_size=mesh.pp,
+        ep_rank=expert["ep"],
+        ep_size=mesh.ep,
+        etp_rank=expert["etp"],
+        etp_size=mesh.etp,
+        vocab_multiple=vocab_multiple,
+    )
+    missing, unexpected = gpt.load_state_dict(local, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"the HF weights do not fit the megatron model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module) -> DistributedDataParallel:
+    """megatron's DDP around `wrapped`: fp32 grad buffers laid out for the distributed
+    optimizer, reductions when `step` asks for them (no overlap with backward)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=True,
+    )
+    layout = DistributedOptimizer.compute_full_param_layout(
+        [p for p in wrapped.parameters() if p.requires_grad],
+        None,
+        parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True, partial_data_parallel=True
+        ),
+        ddp_config,
+        expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size(
+            partial_expert_data_parallel=True
+        ),
+    )
+    return DistributedDataParallel(gpt.config, ddp_config, wrapped, full_param_layout=layout)
