@@ -11,8 +11,6 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinkle_fn.megatron.bridge import (
-    EMBEDDING,
-    Rule,
     export_buckets,
     hf_to_mcore,
     mcore_to_hf,
@@ -376,31 +374,6 @@ def test_lazy_getter_is_called_once_per_tensor_a_rank_needs(checkpoints):
     assert set(calls.values()) == {1}
     assert all(".layers.1." in n or n in ("model.norm.weight", "lm_head.weight") for n in calls)
     assert not any(f"experts.{e}." in n for n in calls for e in (2, 3))
-
-
-def test_rules_are_data_per_family():
-    llama = rules_for(tiny_config("llama"))
-    assert llama[0] == EMBEDDING
-    assert {r.transform for r in llama} == {"vocab", "copy", "qkv", "gate_up"}
-    assert [r.mcore for r in rules_for(tiny_config("qwen2"))][3] == (
-        "decoder.layers.{layer}.self_attention.linear_qkv.bias"
-    )
-    moe = [r for r in rules_for(tiny_config("qwen3_moe")) if r.expert]
-    assert [r.hf[0] for r in moe] == [
-        "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
-        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
-    ]
-    assert moe_layers(tiny_config("qwen3_moe", mlp_only_layers=[0])) == (False, True)
-    assert moe_layers(tiny_config("qwen3_moe", decoder_sparse_step=2)) == (False, True)
-
-
-def test_rule_validates_its_fields():
-    with pytest.raises(ValueError, match="transform 'qkv' takes 3 HF names"):
-        Rule(("a",), "b", "qkv", 0)
-    with pytest.raises(ValueError, match="not one of"):
-        Rule(("a",), "b", "rotate", None)
-    with pytest.raises(ValueError, match="stage"):
-        Rule(("a",), "b", "copy", None, stage="middle")
 
 
 def _hf_to_mcore_error(state, cfg, **kw):
