@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import queue as queue_module
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -19,12 +20,22 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Below Linux's ephemeral range (32768-60999), so the port is not handed out to some outgoing
+# connection (other tests' gloo sockets) between this check and the rendezvous binding it.
+_PORTS = range(20000, 32000)
+_ATTEMPTS = 3
+
 
 def free_port() -> int:
-    """An unused TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on the loopback interface that is free now (outside the ephemeral range)."""
+    for port in random.sample(_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port in 20000-32000")
 
 
 def spawn(
@@ -34,8 +45,24 @@ def spawn(
 
     `fn` must be importable by name (a module-level function) and its results picklable. Each
     process sees ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
-    Raises ``RuntimeError`` carrying the first failing rank's traceback.
+    A rendezvous port taken by someone else in the meantime is retried on a new port. Raises
+    ``RuntimeError`` carrying the first failing rank's traceback.
     """
+    for _ in range(_ATTEMPTS - 1):
+        try:
+            return _spawn_once(fn, world_size, args, timeout_s)
+        except _PortTaken:
+            continue
+    return _spawn_once(fn, world_size, args, timeout_s)
+
+
+class _PortTaken(RuntimeError):
+    """The rendezvous port was taken between choosing it and binding it."""
+
+
+def _spawn_once(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -56,7 +83,8 @@ def spawn(
                 ) from None
             if not ok:
                 # The other ranks may be stuck in a collective waiting for this one: stop them.
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                error = _PortTaken if "EADDRINUSE" in value else RuntimeError
+                raise error(f"rank {rank} of {world_size} failed:\n{value}")
             results[rank] = pickle.loads(value)
     finally:
         for p in procs:

@@ -25,3 +25,20 @@ def test_spawn_runs_real_ranks_and_collects_in_order():
 def test_spawn_reraises_a_rank_failure():
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed.*boom on purpose"):
         spawn(_fail_on_one, 2)
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
+    import socket
+
+    from twinkle_fn import testing_dist
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = testing_dist.free_port
+    monkeypatch.setattr(testing_dist, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert spawn(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
+    finally:
+        taken.close()
