@@ -17,7 +17,7 @@ from twinkle_fn.megatron.bridge import hf_to_mcore
 from twinkle_fn.megatron.model import build_gpt_model
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.testing import tiny_config
-from twinkle_fn.testing_dist import free_port, spawn
+from twinkle_fn.testing_dist import spawn
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -131,20 +131,6 @@ def test_build_needs_initialized_megatron(monkeypatch):
     monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match=r"parallel.initialize\(mesh\)"):
         build_gpt_model(tiny_config("qwen2"), Mesh())
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    """One gloo process with megatron-core initialized for a one-rank mesh (CPU patch on)."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    parallel.initialize(Mesh(), seed=0)
-    try:
-        yield
-    finally:
-        parallel.destroy()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

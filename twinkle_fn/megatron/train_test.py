@@ -6,15 +6,11 @@ tests (`twinkle_fn/backends/megatron_test.py`).
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from twinkle_fn.data import pack, pad_collate
-from twinkle_fn.megatron import parallel
 from twinkle_fn.megatron.train import mask_padded_vocab_, micro_batches, token_losses
-from twinkle_fn.mesh import Mesh
 from twinkle_fn.testing import random_features
-from twinkle_fn.testing_dist import free_port
 
 FEATS = random_features(5, seed=11)
 
@@ -94,20 +90,7 @@ def test_mask_padded_vocab_hides_ids_beyond_the_vocabulary(vocab, tp_rank, real)
     assert (out[..., real:] == float("-inf")).all()
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    parallel.initialize(Mesh(), seed=0)
-    try:
-        yield
-    finally:
-        parallel.destroy()
-        dist.destroy_process_group()
-
-
-def test_token_losses_equal_cross_entropy_over_the_real_vocabulary(one_rank):
+def test_token_losses_equal_cross_entropy_over_the_real_vocabulary(megatron_world):
     """Padding columns carry huge logits here: unmasked, they would take all the softmax mass."""
     vocab, padded, hidden = 10, 16, 6
     weight = torch.randn(padded, hidden)
