@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _header(args: argparse.Namespace, config: PretrainedConfig, device: torch.device) -> dict:
     fpt = flops_per_token(config, args.seq)
-    peak = args.peak_flops if args.peak_flops is not None else _default_peak(device)
+    peak = args.peak_flops if args.peak_flops is not None else default_peak(device)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "versions": _versions(),
+        "versions": versions(),
         "shape": args.shape,
         "seq": args.seq,
         "batch": args.batch,
@@ -192,14 +192,17 @@ def _header(args: argparse.Namespace, config: PretrainedConfig, device: torch.de
     }
 
 
-def _default_peak(device: torch.device) -> float | None:
+def default_peak(device: torch.device) -> float | None:
+    """The dense bf16 peak FLOP/s of `device` when known (H100/H200), else None."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     return HOPPER_BF16_PEAK if ("H100" in name or "H200" in name) else None
 
 
-def _versions() -> dict[str, str | None]:
+def versions() -> dict[str, str | None]:
+    """Versions of Python and of the packages a result depends on (None when not installed)."""
+
     def version(dist: str) -> str | None:
         try:
             return metadata.version(dist)
@@ -234,7 +237,7 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
     """Build the row, time it; everything it built is unreachable once this returns."""
     leftover_gib = _allocated_gib(setup.device)  # not 0: an earlier row leaked memory
     with _ROW_BUILDERS[name](setup) as step:
-        seconds, first_loss, last_loss = _time(step, warmup, steps, setup.device)
+        seconds, first_loss, last_loss = time_steps(step, warmup, steps, setup.device)
         peak_gib = _peak_gib(setup.device)
     batch, seq = setup.input_ids.shape
     return {
@@ -256,7 +259,9 @@ def _skip_reason(name: str, device: torch.device) -> str | None:
     return None
 
 
-def _time(step: Step, warmup: int, steps: int, device: torch.device) -> tuple[float, float, float]:
+def time_steps(
+    step: Step, warmup: int, steps: int, device: torch.device
+) -> tuple[float, float, float]:
     """``(median seconds per timed step, first loss, last loss)``.
 
     The first warm-up step's loss is read on the host (warm-up is not timed); each timed step is
@@ -460,7 +465,7 @@ def _twinkle_step(setup: Setup, backend: str) -> Step:
         model = tf.models.from_hf_config(
             setup.config, backend=backend, precision="bf16", device=setup.device, seed=0
         )
-    holder = [tf.init(model, _twinkle_optimizer(backend))]
+    holder = [tf.init(model, twinkle_optimizer(backend))]
     batch = padded_batch(setup.input_ids)
 
     def step() -> torch.Tensor:
@@ -471,7 +476,7 @@ def _twinkle_step(setup: Setup, backend: str) -> Step:
     return step
 
 
-def _twinkle_optimizer(backend: str) -> tf.optim.GradientTransformation:
+def twinkle_optimizer(backend: str) -> tf.optim.GradientTransformation:
     """AdamW with clipping: the optax-style chain, or on the megatron backend the transform its
     docs name for it (megatron-core's distributed optimizer, as in the ``mcore_*`` rows)."""
     if backend == "megatron":

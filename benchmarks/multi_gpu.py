@@ -1,0 +1,477 @@
+"""Parity and scaling across GPUs (issue 7): every parallel mesh against one GPU, in one command.
+
+One run launches four ``torchrun`` worlds one after another (a world per process count keeps
+megatron-core's global state and NCCL communicators of one measurement away from the next):
+
+1. **parity reference**, one process: a few bf16 training steps of each small model alone;
+2. **parity meshes**, ``--nproc`` processes: the same steps on every mesh of ``--meshes``
+   (transformers backend: dp2, fsdp2, tp2; megatron backend: tp2, pp2, cp2, dp2 with the
+   distributed optimizer, and ep2 on a small Qwen3-MoE), each rank on its data slice of the same
+   global batches; every step's loss is compared with the reference's;
+3. **speed on one process** and 4. **speed on ``--nproc``**: tokens/s, MFU and peak memory of a
+   Qwen2.5-shaped model (``--shape``, ``--seq``; ``--micro-batch`` rows per data rank), and for
+   the data-parallel rows a profile of two steps that says how much of the communication kernels'
+   time ran while a compute kernel was running (the overlap).
+
+Precision is bf16 compute; the transformers backend keeps fp32 master weights, the megatron
+backend bf16 weights with fp32 main copies in its distributed optimizer. A mesh's relative loss
+difference passes when every step is within ``--loss-rtol`` (default 2e-2) of the reference:
+bf16 keeps 8 bits of mantissa (relative rounding 2^-9 = 2e-3 per op), and a mesh changes the order
+of the sums in matmuls, norms and gradient reductions, so per-token log-probs move by a few
+roundings; the loss averages thousands of tokens but the steps compound the differences.
+
+    python -m benchmarks.multi_gpu --nproc 2 --json multi_gpu.json
+
+NVLink multicast stays off (the device tool's rule): the launcher sets ``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` for every worker. On a
+machine without GPUs it runs on gloo, which is what the CPU test uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+import twinkle_fn as tf
+from benchmarks.throughput import (
+    MFU_FORMULA,
+    SHAPES,
+    default_peak,
+    flops_per_token,
+    padded_batch,
+    qwen25_config,
+    time_steps,
+    twinkle_optimizer,
+    versions,
+)
+from twinkle_fn.data import pad_collate
+from twinkle_fn.distributed import init_distributed, rank
+from twinkle_fn.testing import random_features, tiny_config
+
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+# The parity models: small enough for seconds per mesh, wide enough for tp2 / cp2 / ep2 splits.
+PARITY_MODELS = {
+    "dense": dict(
+        model_type="qwen2",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
+    "moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        decoder_sparse_step=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
+}
+# mesh name -> (backend, model, mesh sizes, backend options)
+MESHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
+    "fsdp/dp2": ("fsdp", "dense", {"dp": 2}, {}),
+    "fsdp/fsdp2": ("fsdp", "dense", {"fsdp": 2}, {}),
+    "fsdp/tp2": ("fsdp", "dense", {"tp": 2}, {}),
+    "megatron/tp2": ("megatron", "dense", {"tp": 2}, {}),
+    "megatron/pp2": ("megatron", "dense", {"pp": 2}, {"num_micro_batches": 2}),
+    "megatron/cp2": ("megatron", "dense", {"cp": 2}, {}),
+    "megatron/dp2": ("megatron", "dense", {"dp": 2}, {}),
+    "megatron/ep2": ("megatron", "moe", {"dp": 2, "ep": 2}, {}),
+}
+# speed row -> (backend, mesh sizes); a row's process count is its mesh's size.
+SPEED_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fsdp/1gpu": ("fsdp", {}),
+    "fsdp/dp2": ("fsdp", {"dp": 2}),
+    "fsdp/fsdp2": ("fsdp", {"fsdp": 2}),
+    "fsdp/tp2": ("fsdp", {"tp": 2}),
+    "megatron/1gpu": ("megatron", {}),
+    "megatron/dp2": ("megatron", {"dp": 2}),
+    "megatron/tp2": ("megatron", {"tp": 2}),
+}
+_PARITY_LR = 1e-3
+_GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Launch the four worlds, print the parity and speed tables and return (and write) them."""
+    args = _parser().parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return {}
+    result: dict[str, Any] = {
+        "versions": versions(),
+        "mfu_formula": MFU_FORMULA,
+        "args": vars(args),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.meshes:
+            references = sorted({_reference(m) for m in args.meshes})
+            ref = _launch(1, args, ["--parity", *references], Path(tmp, "ref.json"))
+            got = _launch(args.nproc, args, ["--parity", *args.meshes], Path(tmp, "mesh.json"))
+            result["parity"] = _parity_table(args.meshes, ref, got, args.loss_rtol)
+        if args.speed:
+            one = [r for r in args.speed if _row_world(r) == 1]
+            many = [r for r in args.speed if _row_world(r) > 1]
+            rows = _launch(1, args, ["--rows", *one], Path(tmp, "s1.json")) if one else {}
+            if many:
+                rows |= _launch(args.nproc, args, ["--rows", *many], Path(tmp, "sn.json"))
+            result["speed"] = _speed_table(args.speed, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+# --- the driver --------------------------------------------------------------------------------
+
+
+def _reference(mesh_name: str) -> str:
+    backend, model, _, _ = MESHES[mesh_name]
+    return f"ref/{backend}/{model}"
+
+
+def _row_world(row: str) -> int:
+    return tf.Mesh(**SPEED_ROWS[row][1]).world_size
+
+
+def _launch(nproc: int, args: argparse.Namespace, what: list[str], out: Path) -> dict[str, Any]:
+    """Run one torchrun world of this module's worker; its rank 0 writes `out`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "benchmarks.multi_gpu",
+        "--worker",
+        "--out",
+        str(out),
+        *_shared_flags(args),
+        *what,
+    ]
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": _pythonpath()}
+    sys.stdout.flush()  # the tables printed so far come before the workers' output
+    done = subprocess.run(cmd, env=env, check=False)
+    if not out.exists():
+        return {"_world": {"status": "error", "error": f"torchrun exited {done.returncode}"}}
+    return json.loads(out.read_text())
+
+
+def _shared_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--steps", str(args.steps), "--shape", args.shape, "--seq", str(args.seq)]
+    flags += ["--micro-batch", str(args.micro_batch), "--timed", str(args.timed)]
+    return flags + (["--tiny"] if args.tiny else [])
+
+
+def _pythonpath() -> str:
+    root = str(Path(__file__).resolve().parent.parent)
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+
+
+def _parity_table(
+    meshes: list[str], ref: dict[str, Any], got: dict[str, Any], rtol: float
+) -> dict[str, Any]:
+    print(
+        f"\nparity: bf16, {len(next(iter(ref.values()), {}).get('losses', []))} steps, "
+        f"pass when every step's |loss - ref| / ref <= {rtol:g}"
+    )
+    print(
+        f"{'mesh':<16} {'ref loss (first, last)':>24} {'max rel diff':>13} {'max abs diff':>13}  ok"
+    )
+    table = {}
+    for name in meshes:
+        mine, base = got.get(name, got.get("_world", {})), ref.get(_reference(name), {})
+        if mine.get("status") != "ok" or base.get("status") != "ok":
+            why = mine.get("error") or base.get("error") or "not run"
+            table[name] = {"status": "error", "error": why}
+            print(f"{name:<16} error: {why[:200]}")
+            continue
+        a, b = torch.tensor(mine["losses"]), torch.tensor(base["losses"])
+        abs_diff = (a - b).abs()
+        rel = float((abs_diff / b.abs()).max())
+        ok = rel <= rtol
+        table[name] = {
+            "status": "ok",
+            "losses": mine["losses"],
+            "ref": base["losses"],
+            "max_rel": rel,
+            "max_abs": float(abs_diff.max()),
+            "pass": ok,
+        }
+        print(
+            f"{name:<16} {b[0]:>11.5f}, {b[-1]:>10.5f} {rel:>13.2e} {float(abs_diff.max()):>13.2e}  "
+            f"{'yes' if ok else 'NO'}"
+        )
+    return table
+
+
+def _speed_table(rows: list[str], got: dict[str, Any]) -> dict[str, Any]:
+    print(f"\nspeed ({MFU_FORMULA}, peak per GPU x GPUs)")
+    print(
+        f"{'row':<15} {'gpus':>4} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'x 1gpu':>7} "
+        f"{'comm ms':>8} {'overlapped':>10}"
+    )
+    table = {}
+    for name in rows:
+        row = got.get(name, got.get("_world", {"status": "error", "error": "not run"}))
+        table[name] = row
+        if row.get("status") != "ok":
+            print(f"{name:<15} error: {row.get('error', '')[:200]}")
+            continue
+        base = got.get(f"{SPEED_ROWS[name][0]}/1gpu", {})
+        scale = row["tokens_per_s"] / base["tokens_per_s"] if base.get("status") == "ok" else None
+        row["scaling"] = scale
+        overlap = row.get("overlap") or {}
+        print(
+            f"{name:<15} {row['gpus']:>4} {row['tokens_per_s']:>10,.0f} "
+            f"{_pct(row.get('mfu')):>6} {_num(row.get('peak_mem_gib'), '.1f'):>9} "
+            f"{_num(scale, '.2f'):>7} {_num(overlap.get('comm_ms'), '.1f'):>8} "
+            f"{_pct(overlap.get('overlapped')):>10}"
+        )
+    return table
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+# --- the workers -------------------------------------------------------------------------------
+
+
+def _worker(args: argparse.Namespace) -> None:
+    init_distributed()
+    device = _device()
+    out: dict[str, Any] = {}
+    for name in args.parity or []:
+        out[name] = _guarded(_parity_run, name, args, device)
+    for name in args.rows or []:
+        out[name] = _guarded(_speed_run, name, args, device)
+    if rank() == 0:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _guarded(fn: Any, name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """`fn`'s row, or the error it raised (an OOM or a refused mesh is a result, not a crash)."""
+    try:
+        return {"status": "ok", **fn(name, args, device)}
+    except Exception as e:
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:800]}
+    finally:
+        _leave_megatron()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+
+
+def _leave_megatron() -> None:
+    with contextlib.suppress(ImportError):
+        from megatron.core import parallel_state
+
+        from twinkle_fn.megatron import parallel
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel.destroy()
+
+
+def _parity_config(model: str, tiny: bool) -> Any:
+    cfg = PARITY_MODELS[model]
+    if tiny:  # the CPU smoke test: the test suite's 2-layer model of the same family
+        return tiny_config(cfg["model_type"], vocab_size=256)
+    return AutoConfig.for_model(**cfg)
+
+
+def _parity_run(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """`args.steps` AdamW steps of mesh `name` (or of a ``ref/...`` one-process reference)."""
+    if name.startswith("ref/"):
+        _, backend, model_name = name.split("/")
+        sizes, options = {}, {}
+    else:
+        backend, model_name, sizes, options = MESHES[name]
+    config = _parity_config(model_name, args.tiny)
+    mesh = tf.Mesh(**sizes)
+    model = tf.models.from_hf_config(
+        config, backend=backend, precision="bf16", device=device, seed=0, options=options
+    )
+    tx = _parity_optimizer(backend)
+    state = tf.init(model, tx, mesh)
+    losses = []
+    lens = (8, 48) if args.tiny else (_MIN_LEN, _MAX_LEN)
+    for i in range(args.steps):
+        feats = random_features(
+            _GLOBAL_BATCH,
+            vocab_size=config.vocab_size,
+            min_len=lens[0],
+            max_len=lens[1],
+            seed=100 + i,
+        )
+        mine = feats[mesh.get_slice(len(feats), rank())]
+        batch = {k: v.to(device) for k, v in pad_collate(mine, pad_token_id=0).items()}
+        grads, _ = tf.fwd_bwd(state, batch)
+        state, info = tf.step(state, grads)
+        losses.append(float(info["loss"]))
+    return {"losses": losses}
+
+
+def _parity_optimizer(backend: str) -> tf.optim.GradientTransformation:
+    if backend == "megatron":
+        from twinkle_fn.backends.megatron import megatron_optimizer
+
+        return megatron_optimizer(_PARITY_LR, clip_grad=1.0, weight_decay=0.01)
+    return tf.optim.chain(
+        tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(_PARITY_LR, weight_decay=0.01)
+    )
+
+
+def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Tokens/s, MFU and peak memory of speed row `name`; a profile of the overlap when dp > 1."""
+    backend, sizes = SPEED_ROWS[name]
+    mesh = tf.Mesh(**sizes)
+    config = qwen25_config(args.shape)
+    model = tf.models.from_hf_config(
+        config, backend=backend, precision="bf16", device=device, seed=0
+    )
+    holder = [tf.init(model, twinkle_optimizer(backend), mesh)]
+    global_batch = args.micro_batch * mesh.data_world_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (global_batch, args.seq), generator=gen)
+    batch = padded_batch(ids[mesh.get_slice(global_batch, rank())].to(device))
+
+    def step() -> torch.Tensor:
+        grads, _ = tf.fwd_bwd(holder[0], batch)
+        holder[0], info = tf.step(holder[0], grads)
+        return info["loss"]
+
+    seconds, first, last = time_steps(step, 3, args.timed, device)
+    tokens_per_s = global_batch * args.seq / seconds
+    peak = default_peak(device)
+    row = {
+        "gpus": mesh.world_size,
+        "global_batch": global_batch,
+        "step_ms": 1e3 * seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": None
+        if peak is None
+        else tokens_per_s * flops_per_token(config, args.seq) / (peak * mesh.world_size),
+        "peak_mem_gib": _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30)
+        if device.type == "cuda"
+        else None,
+        "first_loss": first,
+        "last_loss": last,
+    }
+    if mesh.data_world_size > 1 and device.type == "cuda":
+        row["overlap"] = _overlap(step)
+    return row
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _overlap(step: Any) -> dict[str, float]:
+    """Profile two steps; of the time some NCCL kernel ran, the share a compute kernel also ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp, "trace.json.gz")
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
+    compute = _union(
+        [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
+    )
+    comm_us = sum(b - a for a, b in comm)
+    both_us = _intersection(comm, compute)
+    return {"comm_ms": comm_us / 2e3, "overlapped": both_us / comm_us if comm_us else 0.0}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Total length of the overlap of two sorted, disjoint span lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the parallel runs")
+    p.add_argument("--meshes", nargs="*", default=list(MESHES), choices=list(MESHES))
+    p.add_argument("--speed", nargs="*", default=list(SPEED_ROWS), choices=list(SPEED_ROWS))
+    p.add_argument("--steps", type=int, default=5, help="parity steps per mesh")
+    p.add_argument("--loss-rtol", type=float, default=2e-2)
+    p.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4, help="rows per data rank per step")
+    p.add_argument("--timed", type=int, default=8, help="timed steps per speed row (median)")
+    p.add_argument("--tiny", action="store_true", help="parity on the tests' 2-layer models")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--parity", nargs="*", help=argparse.SUPPRESS)
+    p.add_argument("--rows", nargs="*", help=argparse.SUPPRESS)
+    return p
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""benchmarks/multi_gpu.py on CPU: its worlds launch over gloo and its parity check can fail.
+
+The GPU figures come from the device (benchmarks/RESULTS.md); here the tiny models run two
+parity meshes and two speed rows so the script keeps working, and the overlap arithmetic is
+checked on hand-made spans.
+"""
+
+import pytest
+
+from benchmarks import multi_gpu
+
+
+def test_union_merges_touching_and_nested_spans():
+    assert multi_gpu._union([(5, 6), (0, 2), (1, 3), (3, 4), (5.5, 5.8)]) == [(0, 4), (5, 6)]
+
+
+@pytest.mark.parametrize(
+    ("xs", "ys", "expected"),
+    [
+        ([(0, 10)], [(2, 3), (5, 7)], 3),
+        ([(0, 1), (4, 6)], [(0.5, 5)], 1.5),
+        ([(0, 1)], [(1, 2)], 0),
+        ([], [(0, 1)], 0),
+    ],
+)
+def test_intersection_of_span_lists(xs, ys, expected):
+    assert multi_gpu._intersection(xs, ys) == pytest.approx(expected)
+
+
+def test_parity_table_flags_a_diverging_mesh():
+    ref = {"ref/fsdp/dense": {"status": "ok", "losses": [5.0, 4.0]}}
+    got = {
+        "fsdp/dp2": {"status": "ok", "losses": [5.0, 4.001]},
+        "fsdp/tp2": {"status": "ok", "losses": [5.0, 4.5]},
+    }
+    table = multi_gpu._parity_table(["fsdp/dp2", "fsdp/tp2"], ref, got, rtol=1e-2)
+    assert table["fsdp/dp2"]["pass"] and not table["fsdp/tp2"]["pass"]
+    assert table["fsdp/tp2"]["max_rel"] == pytest.approx(0.125)
+
+
+def test_two_process_run_on_cpu(tmp_path):
+    result = multi_gpu.main(
+        [
+            "--tiny", "--steps", "2", "--meshes", "fsdp/dp2", "megatron/tp2",
+            "--speed", "fsdp/1gpu", "fsdp/dp2", "--shape", "tiny", "--seq", "64",
+            "--micro-batch", "2", "--timed", "2", "--json", str(tmp_path / "out.json"),
+        ]
+    )  # fmt: skip
+    for name, row in result["parity"].items():
+        assert row["status"] == "ok", (name, row)
+        assert len(row["losses"]) == 2 and row["pass"], (name, row)
+        # the tiny models agree far inside the bf16 bound the GPU run checks
+        assert row["max_rel"] < 1e-3, (name, row)
+    for name, row in result["speed"].items():
+        assert row["status"] == "ok" and row["tokens_per_s"] > 0, (name, row)
+    assert result["speed"]["fsdp/dp2"]["global_batch"] == 4
+    assert result["speed"]["fsdp/dp2"]["scaling"] > 0
+    assert (tmp_path / "out.json").exists()
