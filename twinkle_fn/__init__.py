@@ -13,6 +13,7 @@ Immutable train states (optree pytrees) and pure functions over them::
 from twinkle_fn import checkpoint, data, lora, losses, models, optim, pytree, schedules
 from twinkle_fn.api import evaluate, fwd_bwd, init, shard, step, unshard
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.offload import Offloaded, offload, reload
 from twinkle_fn.sharding import ShardSpec, local_shard
 from twinkle_fn.state import DonatedError, Grads, TrainState
 
@@ -20,6 +21,7 @@ __all__ = [
     "DonatedError",
     "Grads",
     "Mesh",
+    "Offloaded",
     "ShardSpec",
     "TrainState",
     "checkpoint",
@@ -31,8 +33,10 @@ __all__ = [
     "lora",
     "losses",
     "models",
+    "offload",
     "optim",
     "pytree",
+    "reload",
     "schedules",
     "shard",
     "step",
