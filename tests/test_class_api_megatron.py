@@ -29,11 +29,13 @@ def _micro_batches():
     return [feats[i : i + BATCH] for i in range(0, len(feats), BATCH)]
 
 
-def _class_api(sizes):
+def _class_api(sizes, **kwargs):
     """Upstream's example loop: forward_backward + clip_grad_and_step with accumulation.
     Returns each step's metrics and, per call, whether it stepped."""
     mesh = DeviceMesh.from_sizes(world_size=max([1, *sizes.values()]), **sizes)
-    model = MegatronModel(config=tiny_config(), device_mesh=mesh, mixed_precision="no", seed=0)
+    model = MegatronModel(
+        config=tiny_config(), device_mesh=mesh, mixed_precision="no", seed=0, **kwargs
+    )
     model.set_optimizer("default", lr=LR, weight_decay=0.01, clip_grad=1.0)
     model.set_lr_scheduler(
         "OptimizerParamScheduler",
@@ -50,8 +52,9 @@ def _class_api(sizes):
         if norm is not None:
             steps.append({**model.calculate_metric(), "call_loss": out["loss"]})
     configs = model.get_train_configs()
+    parked = 0 if model._parked is None else model._parked.nbytes  # held on the host now
     parallel.destroy()
-    return steps, stepped, configs
+    return steps, stepped, configs, parked
 
 
 def _functional():
@@ -70,8 +73,11 @@ def _functional():
     return infos
 
 
+OFFLOAD = dict(param_offload=True, grad_offload=True, optimizer_offload=True)
+
+
 def _one_process():
-    return _functional(), _class_api(MESHES["one"])
+    return _functional(), _class_api(MESHES["one"]), _class_api(MESHES["one"], **OFFLOAD)
 
 
 def _two_ranks():
@@ -80,15 +86,20 @@ def _two_ranks():
 
 @pytest.fixture(scope="module")
 def runs():
-    reference, one = spawn(_one_process, 1, timeout_s=300)[0]
+    reference, one, offloaded = spawn(_one_process, 1, timeout_s=300)[0]
     two = spawn(_two_ranks, 2, timeout_s=300)
-    return reference, {"one": [one], **{n: [r[n] for r in two] for n in two[0]}}
+    return reference, {
+        "one": [one],
+        "offload": [offloaded],
+        **{n: [r[n] for r in two] for n in two[0]},
+    }
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", [*MESHES, "offload"])
 def test_class_api_equals_functional_api(runs, mesh):
     reference, results = runs
-    for steps, stepped, _ in results[mesh]:
+    for steps, stepped, _, parked in results[mesh]:
+        assert (parked > 0) == (mesh == "offload")
         assert stepped == [False, True] * STEPS  # exactly GAS calls per step, not one late
         assert len(steps) == STEPS
         for got, want in zip(steps, reference, strict=True):

@@ -118,7 +118,10 @@ class MegatronModel:
     mesh, else dp over the world) gives tp / pp / cp / ep / sequence_parallel; it must match
     the world. `mixed_precision`: ``'no'`` (fp32), ``'bf16'`` or ``'fp16'`` over fp32 master
     weights. `ddp_config`: only upstream's defaults (no overlap, fp32 grad reduce, distributed
-    optimizer). `recompute_*`: megatron's activation recompute (granularity None: off). Other
+    optimizer). `recompute_*`: megatron's activation recompute (granularity None: off).
+    `param_offload` / `grad_offload` / `optimizer_offload`: after each optimizer step, park the
+    parameters / megatron's gradient buffers / the optimizer's tensors in host memory until the
+    next call that needs them (`twinkle_fn.offload`; for sharing the GPU with a rollout engine). Other
     keyword arguments: ``tokenizer_id``, ``seed`` (init and dropout; default the `initialize`
     seed), ``num_micro_batches`` (pipeline micro-batches per call; default pp size), and any
     megatron ``TransformerConfig`` field. Raises ``ValueError`` for unsupported options, a mesh
@@ -136,6 +139,9 @@ class MegatronModel:
         recompute_granularity: str | None = "full",
         recompute_method: str | None = "uniform",
         recompute_num_layers: int | None = 1,
+        param_offload: bool = False,
+        grad_offload: bool = False,
+        optimizer_offload: bool = False,
         **kwargs: Any,
     ) -> None:
         _check_options(mixed_precision, ddp_config)
@@ -164,6 +170,8 @@ class MegatronModel:
             optimizer=optimizer_spec("default"), processor=InputProcessor(self.device_mesh)
         )
         self._state: tf.TrainState | None = None
+        self._offload = dict(params=param_offload, grads=grad_offload, optimizer=optimizer_offload)
+        self._parked: tf.Offloaded | None = None
         self._pending = _accumulate.Pending()
 
     @property
@@ -172,6 +180,8 @@ class MegatronModel:
         return self._ensure_state()
 
     def _ensure_state(self) -> tf.TrainState:
+        if self._parked is not None:
+            self._state, self._parked = tf.reload(self._parked), None
         if self._state is None:
             g = self._group
             tx = _megatron_optimizer()(_group.learning_rate(g), **g.optimizer.kwargs)
@@ -179,7 +189,7 @@ class MegatronModel:
         return self._state
 
     def _check_unbuilt(self, what: str) -> None:
-        if self._state is not None:
+        if self._state is not None or self._parked is not None:
             raise ValueError(
                 f"{what} must be called before the first forward_backward: megatron's "
                 "distributed optimizer is built with the train state"
@@ -263,6 +273,8 @@ class MegatronModel:
         if not self._due(adapter_name, gradient_accumulation_steps):
             return None
         self._state = self._pending.apply(self._ensure_state())
+        if any(self._offload.values()):
+            self._parked, self._state = tf.offload(self._state, **self._offload), None
         return self._pending.last_step["grad_norm"]
 
     @remote_function(collect="first")
