@@ -6,8 +6,10 @@ HF weights through the bridge, wraps the stage in ``Float16Module`` (bf16 / fp16
 ``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout, no overlap).
 `fwd_bwd` runs megatron-core's schedule (`twinkle_fn.megatron.train`): gradients are token sums
 left in the DDP grad buffers, unreduced, and the returned `Grads` are views of them. `step`
-reduces them once (data parallel, sequence-parallel norms, tied embeddings across stages),
-divides by the global supervised-token count, and applies the optimizer.
+reduces them once (data x context parallel, sequence-parallel norms, tied embeddings across
+stages), divides by the global supervised-token count, and applies the optimizer. Under context
+parallelism each rank runs its chunks of every sequence (`twinkle_fn.megatron.context_parallel`;
+TransformerEngine's attention when its spec is used).
 
 Optimizers. `megatron_optimizer` is the transform to use: ``tf.init`` builds megatron-core's
 ``DistributedOptimizer`` over the model chunks (fp32 main params, optimizer state sharded over
@@ -15,8 +17,8 @@ data-parallel ranks, clipping by the true global norm across tp / pp / ep), and 
 follows a `twinkle_fn.schedules` schedule the way ``OptimizerParamScheduler`` sets it. Any other
 `GradientTransformation` (``tf.optim.adamw``...) is applied to the model's own parameters, in
 their own dtype (bf16 under ``precision="bf16"``: no fp32 master copy), after an all-reduce,
-replicated on every data rank; it needs whole parameters on every rank (tp, pp, cp and ep of 1),
-since its global norm sees only local tensors.
+replicated on every data and context-parallel rank; it needs whole parameters on every rank
+(tp, pp and ep of 1), since its global norm sees only local tensors.
 
 ``Model.options`` read by `prepare`: ``num_micro_batches`` (per `fwd_bwd` call; default the
 pipeline size), ``vocab_multiple`` (vocabulary padding unit per tp rank; default 128),
@@ -161,9 +163,8 @@ class MegatronBackend:
             _check_whole_params(placement.mesh)
         placement.live_grads = None
         totals = torch.stack([grads.loss_sum.double(), grads.num_tokens.double()])
-        dist.all_reduce(
-            totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
-        )
+        # Over data ranks only: fwd_bwd's totals already sum the context-parallel ranks.
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         loss_sum, num_tokens = totals[0], totals[1].long()
         if isinstance(opt, MegatronOptState):
             grad_norm, opt = megatron_update(placement, opt, num_tokens)
@@ -223,7 +224,12 @@ def _micro_batches(placement: MegatronPlacement, batch: Mapping[str, Tensor]) ->
         else torch.device("cpu")
     )
     return micro_batches(
-        batch, placement.num_micro_batches, seq_multiple=placement.seq_multiple, device=device
+        batch,
+        placement.num_micro_batches,
+        seq_multiple=placement.seq_multiple,
+        cp_size=placement.mesh.cp,
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        device=device,
     )
 
 
@@ -243,7 +249,7 @@ def _is_expert(param: Tensor) -> bool:
 
 
 def _check_whole_params(mesh: Mesh) -> None:
-    if mesh.tp > 1 or mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
+    if mesh.tp > 1 or mesh.pp > 1 or mesh.ep > 1:
         raise ValueError(
             f"a twinkle_fn.optim transform needs whole parameters on every rank, but {mesh} "
             "splits them (its global norm would see only local shards); use "

@@ -73,7 +73,8 @@ class MegatronPlacement:
 
     @property
     def seq_multiple(self) -> int:
-        """What every micro-batch's sequence length must divide by (sequence parallelism)."""
+        """What each rank's part of a micro-batch's sequence must divide by (sequence
+        parallelism); `twinkle_fn.megatron.train.micro_batches` adds context parallelism's."""
         return self.mesh.tp if self.mesh.sequence_parallel else 1
 
 

@@ -44,6 +44,8 @@ MESHES = {
     "tp2-sp": ("qwen2", {"tp": 2, "sequence_parallel": True}, {}, "packed"),
     "ep2": ("qwen3_moe", {"dp": 2, "ep": 2}, {}, "packed"),
     "tp2-ep2-sp": ("qwen3_moe", {"tp": 2, "ep": 2, "sequence_parallel": True}, {}, "packed"),
+    "cp2": ("qwen2", {"cp": 2}, {}, "padded"),
+    "cp2-packed": ("qwen3_moe", {"cp": 2}, {}, "packed"),  # q/k norms, MoE, THD chunks
 }
 
 
@@ -174,6 +176,8 @@ def _two_ranks(weights_dir):
     results = {}
     for name, (model, sizes, options, layout) in MESHES.items():
         results[name] = _train(model, sizes, options, layout)[0]
+    # Context parallelism keeps whole parameters on every rank: a plain transform applies.
+    results["cp2-plain-transform"] = _train("qwen2", {"cp": 2}, tx=_tx("fsdp"))[0]
     model = tf.models.from_pretrained(weights_dir, backend="megatron")
     state = tf.init(model, _tx("fsdp"), tf.Mesh(tp=2, sequence_parallel=True))
     loaded = tf.unshard(state)
@@ -278,8 +282,9 @@ def test_an_fp16_overflow_skips_the_update(one_process):
 
 def test_a_plain_transform_runs_on_whole_parameters(one_process, two_ranks):
     _assert_same_run(one_process[1]["plain_transform"], one_process[0]["qwen2", "fsdp"])
-    for _, _, refused in two_ranks[1]:
+    for results, _, refused in two_ranks[1]:
         assert "needs whole parameters on every rank" in refused
+        _assert_same_run(results["cp2-plain-transform"], one_process[1]["plain_transform"])
 
 
 def test_one_process_starts_its_own_process_group(one_process):

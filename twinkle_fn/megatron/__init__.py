@@ -4,5 +4,6 @@
 - `parallel`: megatron-core's process groups and RNG seeds from a `Mesh`;
 - `config`: ``TransformerConfig`` from an HF config and a mesh;
 - `spec`: layer specs with torch SDPA core attention (TransformerEngine's when importable);
+- `context_parallel`: the zigzag batch split and the all-gather attention of context parallelism;
 - `model`: ``GPTModel`` of an HF config on this rank's pipeline stage.
 """

@@ -6,7 +6,8 @@ spec keeps megatron-core's parallel linears, MLP and MoE layers and swaps in:
 
 - `SDPAAttention`: ``torch.nn.functional.scaled_dot_product_attention`` (flash kernels on GPU),
   and for packed (THD) sequences flash-attn's varlen kernel when ``flash_attn`` is importable,
-  else SDPA per packed sample;
+  else SDPA per packed sample; under context parallelism, SDPA per local chunk over keys and
+  values all-gathered across the context-parallel group (`twinkle_fn.megatron.context_parallel`);
 - `RMSNorm`: an RMSNorm whose weight carries megatron's ``sequence_parallel`` flag, so that
   ``finalize_model_grads`` all-reduces its gradient over the tensor-parallel group under SP.
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -49,6 +50,8 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
+
+from twinkle_fn.megatron.context_parallel import context_parallel_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -119,9 +122,15 @@ class SDPAAttention(MegatronModule):
     ``[tokens, heads, dim]`` and attend causally within each sample of ``cu_seqlens_q`` (the
     padded boundaries when given); output ``[tokens, heads * dim]``.
 
-    Raises ``ValueError`` for context parallelism, a non-vanilla softmax, an attention bias,
-    packed parameters without ``cu_seqlens_q``, or packed query and key/value boundaries that
-    differ.
+    With ``config.context_parallel_size > 1`` the inputs are this rank's two chunks of every
+    sequence (of every packed sample for THD, whose boundaries are then the global ones), as
+    megatron splits them: keys and values are all-gathered over the context-parallel group
+    (`context_parallel.context_parallel_attention`; ``cp_comm_type`` None or ``'all_gather'``).
+
+    Raises ``ValueError`` for a non-vanilla softmax, an attention bias, packed parameters
+    without ``cu_seqlens_q``, packed query and key/value boundaries that differ, and under
+    context parallelism for another ``cp_comm_type``, an ``attention_mask``, or a sliding
+    window without the causal mask.
     """
 
     def __init__(
@@ -136,11 +145,16 @@ class SDPAAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
+        self.cp_group: Any = None
         if config.context_parallel_size > 1:
-            raise ValueError(
-                "SDPAAttention does not implement context parallelism; use cp=1 or "
-                "TransformerEngine's spec (layer_spec(config, use_te=True))"
-            )
+            if cp_comm_type not in (None, "all_gather"):
+                raise ValueError(
+                    f"SDPAAttention all-gathers keys and values for context parallelism, got "
+                    f"cp_comm_type={cp_comm_type!r}; set cp_comm_type=None or 'all_gather', or "
+                    "use TransformerEngine's spec (layer_spec(config, use_te=True))"
+                )
+            cp = getattr(pg_collection, "cp", None)
+            self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
         if config.softmax_type != "vanilla":
             raise ValueError(
                 f"SDPAAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
@@ -182,6 +196,10 @@ class SDPAAttention(MegatronModule):
             else contextlib.nullcontext()
         )
         with rng:
+            if self.cp_group is not None:
+                return self._context_parallel(
+                    query, key, value, attention_mask, packed_seq_params, causal, dropout_p
+                )
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 return self._packed(query, key, value, packed_seq_params, causal, dropout_p)
             # [s, b, n, d] -> [b, n, s, d]
@@ -189,6 +207,49 @@ class SDPAAttention(MegatronModule):
             out = self._attend(q, k, v, attention_mask, causal, dropout_p)
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _context_parallel(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        params: PackedSeqParams | None,
+        causal: bool,
+        dropout_p: float,
+    ) -> Tensor:
+        """This rank's chunks attending to keys and values gathered over the cp group."""
+        if attention_mask is not None:
+            raise ValueError(
+                "SDPAAttention under context parallelism takes no attention_mask (padding is "
+                "masked in the loss); pass attention_mask=None"
+            )
+        if self.window is not None and not causal:
+            raise ValueError(
+                "SDPAAttention under context parallelism supports sliding windows with the "
+                "causal mask only; use attn_mask_type=causal or cp=1"
+            )
+        packed = params is not None and params.qkv_format == "thd"
+        cu = None
+        if packed:
+            cu = _first_set(params.cu_seqlens_q_padded, params.cu_seqlens_q)
+            cu_kv = _first_set(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
+            if cu is None or (cu_kv is not None and not torch.equal(cu, cu_kv)):
+                raise ValueError(
+                    "packed (thd) attention needs packed_seq_params.cu_seqlens_q, equal to _kv"
+                )
+            # [tokens, n, d] -> [tokens, 1, n, d]
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        out = context_parallel_attention(
+            query,
+            key,
+            value,
+            lambda q, k, v: self._attend(q, k, v, None, causal, dropout_p),
+            group=self.cp_group,
+            causal=causal,
+            cu_seqlens=cu,
+        )
+        return out.reshape(out.shape[0], -1) if packed else out.flatten(2)
 
     def _allowed(
         self, sq: int, sk: int, causal: bool, mask: Tensor | None, device: torch.device

@@ -213,8 +213,18 @@ def test_rms_norm_matches_transformers_and_marks_sequence_parallel():
 
 
 def test_unsupported_attention_options_are_refused():
-    with pytest.raises(ValueError, match="context parallelism"):
-        _attention(_config(context_parallel_size=2))
+    cp2 = _config(context_parallel_size=2, window_size=(2, 0))
+    with pytest.raises(ValueError, match="cp_comm_type='p2p'"):
+        SDPAAttention(cp2, 1, AttnMaskType.causal, "self", cp_comm_type="p2p")
+    # Refused before the context-parallel group is used (context_parallel_test runs it).
+    group = types.SimpleNamespace(cp=object())
+    q, k, v = _qkv(4, 1)
+    causal = SDPAAttention(cp2, 1, AttnMaskType.causal, "self", pg_collection=group)
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        causal(q, k, v, torch.zeros(1, 1, 4, 8, dtype=torch.bool))
+    bidirectional = SDPAAttention(cp2, 1, AttnMaskType.no_mask, "self", pg_collection=group)
+    with pytest.raises(ValueError, match="sliding windows with the causal mask only"):
+        bidirectional(q, k, v, None)
     q, k, v = _qkv(3, 1)
     with pytest.raises(ValueError, match="attention_bias"):
         _attention()(q, k, v, None, attention_bias=torch.zeros(1))

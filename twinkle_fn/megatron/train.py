@@ -2,14 +2,16 @@
 
 - `micro_batches` turns a twinkle batch (padded ``[B, T]`` from ``pad_collate`` or packed
   ``[1, T]`` with ``cu_seqlens`` from ``pack``, labels already shifted) into ``GPTModel``
-  inputs, split into micro-batches; packed ones become THD ``PackedSeqParams``.
+  inputs, split into micro-batches; packed ones become THD ``PackedSeqParams``. Under context
+  parallelism each rank keeps its two chunks of every sequence (of every packed sample), as
+  megatron's rotary embedding and `twinkle_fn.megatron.context_parallel` expect.
 - `token_losses` is a ``GPTModel`` output processor: the output layer's vocab-parallel logits,
   with the columns that pad the vocabulary for tensor parallelism masked out, go through
   megatron-core's vocab-parallel cross entropy, so full ``[tokens, vocab]`` logits are never
   gathered.
 - `forward_backward` runs megatron-core's schedule (1F1B when pp > 1) over the micro-batches and
   returns the token-summed loss and the supervised-token count of this data rank, the same on
-  every pipeline stage.
+  every pipeline stage and context-parallel rank.
 
 megatron-core's rotary embedding derives positions from the layout (``arange`` per row, or per
 packed sample from ``cu_seqlens``), so batches must be right-padded or packed; `micro_batches`
@@ -34,6 +36,7 @@ from torch import Tensor
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.microbatch import split_batch, split_features
+from twinkle_fn.megatron.context_parallel import sequence_multiple, split_packed, split_sequence
 
 PAD_TOKEN_ID = 0  # fills positions added to reach a sequence multiple; their labels are ignored
 
@@ -43,8 +46,9 @@ class MicroBatch:
     """The inputs of one ``GPTModel`` forward.
 
     ``input_ids``, ``position_ids`` and ``labels`` are int64 ``[b, s]`` (labels already shifted,
-    -100 ignored). ``packed`` holds THD boundaries when the row packs several samples (then
-    ``b == 1``), else None.
+    -100 ignored; under context parallelism this rank's ``s // cp`` tokens). ``packed`` holds
+    THD boundaries when the row packs several samples (then ``b == 1``; the global boundaries
+    under context parallelism), else None.
     """
 
     input_ids: Tensor
@@ -58,19 +62,25 @@ def micro_batches(
     num_micro_batches: int,
     *,
     seq_multiple: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
     device: torch.device | str = "cpu",
 ) -> list[MicroBatch]:
     """Split a padded or packed `batch` into `num_micro_batches` megatron micro-batches.
 
     Padded batches (``input_ids``/``labels`` ``[B, T]``, optional ``attention_mask`` and
     ``position_ids``) split by rows; packed ones (``[1, T]`` plus ``cu_seqlens [n + 1]``) split
-    by samples, each micro-batch a packed row of its own. Sequences are padded at the end to a
-    multiple of `seq_multiple` (sequence parallelism splits them over tp) with ignored labels;
-    a packed row gets the padding as one more sample. Tensors are moved to `device`.
+    by samples, each micro-batch a packed row of its own. Sequences are padded at the end with
+    ignored labels so that each rank's part divides by `seq_multiple` (sequence parallelism
+    splits it over tp); a packed row gets the padding as one more sample. With `cp_size` > 1,
+    context-parallel rank `cp_rank` keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
+    of ``2 * cp_size`` equal ones of each row (of each packed sample, each padded to a multiple
+    of ``2 * cp_size``). Tensors are moved to `device`.
 
     Raises ``ValueError`` for missing or misshapen fields, left padding or position ids that
     do not restart per row / per packed sample (megatron's rotary embedding assumes both),
-    malformed ``cu_seqlens``, or more micro-batches than rows / samples.
+    malformed ``cu_seqlens``, more micro-batches than rows / samples, or a bad
+    `cp_size` / `cp_rank`.
     """
     ids, labels = _field(batch, "input_ids"), _field(batch, "labels")
     if ids.shape != labels.shape:
@@ -79,11 +89,12 @@ def micro_batches(
         )
     if isinstance(seq_multiple, bool) or not isinstance(seq_multiple, int) or seq_multiple < 1:
         raise ValueError(f"seq_multiple must be a positive int, got {seq_multiple!r}")
+    multiple = sequence_multiple(cp_size, seq_multiple)
     if "cu_seqlens" in batch:
-        out = _packed(batch, ids, labels, num_micro_batches, seq_multiple)
+        out = _packed(batch, ids, labels, num_micro_batches, multiple, cp_size)
     else:
-        out = _padded(batch, ids, labels, num_micro_batches, seq_multiple)
-    return [_to(mb, torch.device(device)) for mb in out]
+        out = _padded(batch, ids, labels, num_micro_batches, multiple)
+    return [_to(_on_cp_rank(mb, cp_size, cp_rank), torch.device(device)) for mb in out]
 
 
 def _field(batch: Mapping[str, Any], name: str) -> Tensor:
@@ -138,7 +149,7 @@ def _bounds(cu_seqlens: Any, total: int) -> list[int]:
 
 
 def _packed(
-    batch: Mapping[str, Any], ids: Tensor, labels: Tensor, n: int, multiple: int
+    batch: Mapping[str, Any], ids: Tensor, labels: Tensor, n: int, multiple: int, cp_size: int
 ) -> list[MicroBatch]:
     if ids.shape[0] != 1:
         raise ValueError(
@@ -151,15 +162,20 @@ def _packed(
             "batch position_ids do not restart at 0 on every packed sample; megatron's rotary "
             "embedding restarts them at each cu_seqlens boundary"
         )
+    # Context parallelism cuts every sample into 2 * cp equal chunks.
+    unit = 2 * cp_size if cp_size > 1 else 1
     out = []
     for group in split_features(range(len(bounds) - 1), n):
-        start, stop = bounds[group[0]], bounds[group[-1] + 1]
-        cu = [b - start for b in bounds[group[0] : group[-1] + 2]]
-        pad = -(stop - start) % multiple
-        if pad:
-            cu.append(cu[-1] + pad)
-        row_ids = _pad_cols(ids[:, start:stop], multiple, PAD_TOKEN_ID)
-        row_labels = _pad_cols(labels[:, start:stop], multiple, IGNORE_INDEX)
+        samples = list(itertools.pairwise(bounds[group[0] : group[-1] + 2]))
+        row_ids = torch.cat([_pad_cols(ids[:, a:b], unit, PAD_TOKEN_ID) for a, b in samples], 1)
+        row_labels = torch.cat(
+            [_pad_cols(labels[:, a:b], unit, IGNORE_INDEX) for a, b in samples], 1
+        )
+        cu = [0, *itertools.accumulate(-(-(b - a) // unit) * unit for a, b in samples)]
+        row_ids = _pad_cols(row_ids, multiple, PAD_TOKEN_ID)
+        row_labels = _pad_cols(row_labels, multiple, IGNORE_INDEX)
+        if row_ids.shape[1] > cu[-1]:
+            cu.append(row_ids.shape[1])
         positions = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])[None]
         cu_t = torch.tensor(cu, dtype=torch.int32)
         longest = max(b - a for a, b in itertools.pairwise(cu))
@@ -172,6 +188,20 @@ def _packed(
         )
         out.append(MicroBatch(row_ids, positions, row_labels, params))
     return out
+
+
+def _on_cp_rank(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """`mb` with only context-parallel rank `cp_rank`'s chunks of each sequence (sample)."""
+    if cp_size == 1 and cp_rank == 0:
+        return mb
+    cu = None if mb.packed is None else mb.packed.cu_seqlens_q.tolist()
+
+    def local(t: Tensor) -> Tensor:
+        if cu is None:
+            return split_sequence(t, cp_size, cp_rank)
+        return split_packed(t, cu, cp_size, cp_rank)
+
+    return MicroBatch(local(mb.input_ids), local(mb.position_ids), local(mb.labels), mb.packed)
 
 
 def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -251,8 +281,9 @@ def forward_backward(
     megatron's DDP; their config must have ``calculate_per_token_loss`` (the schedule then
     backpropagates token sums, unscaled) and no ``finalize_model_grads_func`` (gradients stay
     this rank's local sums, in the DDP grad buffers, until the caller reduces them). Returns a
-    0-d float32 loss sum and a 0-d int64 count, broadcast from the last pipeline stage so that
-    every rank returns the same values. Raises ``ValueError`` when the config would normalise
+    0-d float32 loss sum and a 0-d int64 count, broadcast from the last pipeline stage and
+    summed over the context-parallel ranks (each saw its chunks of the same sequences), so that
+    every rank of a data shard returns the same values. Raises ``ValueError`` when the config would normalise
     or reduce the gradients itself, or `batches` is empty.
     """
     config = get_model_config(chunks[0])
@@ -277,12 +308,13 @@ def forward_backward(
         )
         return out, functools.partial(_loss_sum, mb.labels)
 
+    cp_size = parallel_state.get_context_parallel_world_size()
     reports = get_forward_backward_func()(
         forward_step_func=step,
         data_iterator=iter(batches),
         model=list(chunks),
         num_microbatches=len(batches),
-        seq_length=max(mb.input_ids.shape[1] for mb in batches),
+        seq_length=max(mb.input_ids.shape[1] for mb in batches) * cp_size,
         micro_batch_size=max(mb.input_ids.shape[0] for mb in batches),
         forward_only=forward_only,
     )
@@ -297,4 +329,7 @@ def forward_backward(
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
+    if cp_size > 1:
+        # Each context-parallel rank saw its chunks of the same sequences.
+        dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
     return totals[0].float(), totals[1].long()

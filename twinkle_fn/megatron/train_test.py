@@ -4,6 +4,8 @@ The schedule itself (`forward_backward`) is checked end to end by the megatron b
 tests (`twinkle_fn/backends/megatron_test.py`).
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,47 @@ def test_padded_batches_split_by_row_and_pad_columns():
     assert torch.equal(torch.cat([mb.labels[:, :width] for mb in mbs]), batch["labels"])
     assert all((mb.labels[:, width:] == -100).all() for mb in mbs)
     assert all(mb.packed is None for mb in mbs)
+
+
+def test_context_parallel_ranks_get_their_zigzag_chunks_of_padded_rows():
+    batch = pad_collate(FEATS, pad_token_id=0)
+    width = batch["input_ids"].shape[1]
+    # cp=2 under sequence parallelism over tp=4: 4 chunks, each rank's part a multiple of 4.
+    whole = micro_batches(batch, 1, seq_multiple=4, cp_size=2, cp_rank=0)[0]
+    other = micro_batches(batch, 1, seq_multiple=4, cp_size=2, cp_rank=1)[0]
+    padded = -(-width // 8) * 8
+    chunk = padded // 4
+    assert whole.input_ids.shape == (len(FEATS), padded // 2)
+    for field in ("input_ids", "labels", "position_ids"):
+        a, b = getattr(whole, field), getattr(other, field)
+        rebuilt = torch.cat([a[:, :chunk], b, a[:, chunk:]], dim=1)
+        full = micro_batches(batch, 1, seq_multiple=8)[0]
+        assert torch.equal(rebuilt, getattr(full, field)), field
+
+
+def test_context_parallel_ranks_get_each_packed_samples_chunks():
+    batch = pack(FEATS)
+    lengths = [len(f["input_ids"]) for f in FEATS]
+    ranks = [micro_batches(batch, 1, seq_multiple=3, cp_size=2, cp_rank=r)[0] for r in (0, 1)]
+    cu = ranks[0].packed.cu_seqlens_q.tolist()
+    padded = [-(-n // 4) * 4 for n in lengths]  # every sample cut into 4 equal chunks
+    assert cu[: len(FEATS) + 1] == [0, *torch.tensor(padded).cumsum(0).tolist()]
+    assert ranks[1].packed.cu_seqlens_q.tolist() == cu
+    assert cu[-1] % 12 == 0 and ranks[0].labels.shape == (1, cu[-1] // 2)  # 2 x lcm(4, 2 * 3)
+    real = []
+    for i, (a, b) in enumerate(itertools.pairwise(cu)):
+        c = (b - a) // 4
+        local = [(a // 2, c), (a // 2 + c, c)]  # offsets of this sample's 2 chunks on a rank
+        pieces = [ranks[r].labels[0, s : s + n] for r in (0, 1) for s, n in local]
+        sample = torch.cat([pieces[0], pieces[2], pieces[3], pieces[1]])  # chunks 0, 1, 2, 3
+        positions = [ranks[r].position_ids[0, s : s + n] for r in (0, 1) for s, n in local]
+        assert torch.cat([positions[0], positions[2], positions[3], positions[1]]).tolist() == (
+            list(range(b - a))
+        )
+        if i < len(FEATS):
+            real.append(sample[: lengths[i]])
+            assert (sample[lengths[i] :] == -100).all()
+    assert torch.equal(torch.cat(real), batch["labels"][0])
 
 
 @pytest.mark.parametrize(
