@@ -87,6 +87,7 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
             if sp:
                 styles.update(_sp_styles(SEQUENCE_PARALLEL_LAYER))
             parallelize_module(layer, dm["tp"], styles)
+    compile_layers(model)
     if mesh.data_world_size > 1:
         data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
         mp = _mixed_precision(model.compute_dtype)
@@ -100,6 +101,26 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 m.set_force_sum_reduction_for_comms(True)
     placement = Placement(mesh, dm, _dp_group(mesh))
     return dataclasses.replace(model, placement=placement)
+
+
+def compile_layers(model: Model) -> None:
+    """``torch.compile`` each decoder layer in place when ``model.options["compile_layers"]``
+    is ``True`` or a dict of ``torch.compile`` arguments; a layer compiled already is kept.
+
+    Raises ``TypeError`` for another value.
+    """
+    setting = model.options.get("compile_layers", False)
+    if setting is False:
+        return
+    if setting is not True and not isinstance(setting, dict):
+        raise TypeError(
+            f"option compile_layers must be True, False or a dict of torch.compile arguments, "
+            f"got {setting!r}"
+        )
+    kwargs = {} if setting is True else setting
+    for layer in model.module.get_decoder().layers:
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(**kwargs)
 
 
 def _tp_style(style: str, sequence_parallel: bool) -> ParallelStyle:

@@ -22,8 +22,16 @@ class TransformersBackend:
     """`twinkle_fn.backends.base.Backend` over `hf` (compute) and `fsdp` (placement)."""
 
     def prepare(self, model: Model, mesh: Mesh) -> Model:
-        """Shard the module over `mesh` (tp plan, then FSDP2) unless it already is."""
-        if mesh.world_size == 1 or model.placement is not None:
+        """Shard the module over `mesh` (tp plan, then FSDP2) unless it already is.
+
+        ``Model.options["compile_layers"]``: ``True`` or a dict of ``torch.compile`` arguments
+        compiles each decoder layer (after the tp plan, before FSDP2 wraps it), fusing the
+        norms, rotary embedding, SwiGLU and residual adds that eager mode runs one by one.
+        """
+        if model.placement is not None:
+            return model
+        if mesh.world_size == 1:
+            fsdp.compile_layers(model)
             return model
         return fsdp.parallelize(model, mesh)
 
