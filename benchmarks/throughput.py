@@ -12,6 +12,8 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
   with the distributed optimizer's fp32 master copies, DDP, ``get_forward_backward_func``;
 - ``mcore_sdpa``: the same with twinkle's SDPA layer spec (`twinkle_fn.megatron.model`);
 - ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend, padded batch;
+- ``twinkle_fsdp_compiled``: the same with each decoder layer compiled (option
+  ``compile_layers``; GPU only, like ``hf_compiled``);
 - ``twinkle_megatron``: the same on the megatron backend with its `megatron_optimizer`
   (megatron-core's distributed optimizer), when `twinkle_fn.backends` has that backend.
 
@@ -92,6 +94,7 @@ ROWS = (
     "mcore_local",
     "mcore_sdpa",
     "twinkle_fsdp",
+    "twinkle_fsdp_compiled",
     "twinkle_megatron",
 )
 BASELINES = ("hf_loop", "hf_compiled", "mcore_local")
@@ -252,7 +255,7 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
 
 
 def _skip_reason(name: str, device: torch.device) -> str | None:
-    if name == "hf_compiled" and device.type != "cuda":
+    if name in ("hf_compiled", "twinkle_fsdp_compiled") and device.type != "cuda":
         return "GPU only (compiling on a CPU takes minutes)"
     if name == "twinkle_megatron" and "megatron" not in backends.names():
         return "twinkle_fn.backends has no 'megatron' backend yet"
@@ -455,15 +458,25 @@ def _twinkle_fsdp(setup: Setup) -> Iterator[Step]:
 
 
 @contextlib.contextmanager
+def _twinkle_fsdp_compiled(setup: Setup) -> Iterator[Step]:
+    yield _twinkle_step(setup, backend="fsdp", options={"compile_layers": True})
+
+
+@contextlib.contextmanager
 def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
     with _megatron_world(setup.device):
         yield _twinkle_step(setup, backend="megatron")
 
 
-def _twinkle_step(setup: Setup, backend: str) -> Step:
+def _twinkle_step(setup: Setup, backend: str, options: dict[str, Any] | None = None) -> Step:
     with torch.device(setup.device):
         model = tf.models.from_hf_config(
-            setup.config, backend=backend, precision="bf16", device=setup.device, seed=0
+            setup.config,
+            backend=backend,
+            precision="bf16",
+            device=setup.device,
+            seed=0,
+            options=options,
         )
     holder = [tf.init(model, twinkle_optimizer(backend))]
     batch = padded_batch(setup.input_ids)
@@ -545,6 +558,7 @@ _ROW_BUILDERS: MappingProxyType[str, RowBuilder] = MappingProxyType(
         "mcore_local": _mcore_local,
         "mcore_sdpa": _mcore_sdpa,
         "twinkle_fsdp": _twinkle_fsdp,
+        "twinkle_fsdp_compiled": _twinkle_fsdp_compiled,
         "twinkle_megatron": _twinkle_megatron,
     }
 )
