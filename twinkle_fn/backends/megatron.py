@@ -22,7 +22,8 @@ replicated on every data and context-parallel rank; it needs whole parameters on
 
 ``Model.options`` read by `prepare`: ``num_micro_batches`` (per `fwd_bwd` call; default the
 pipeline size), ``vocab_multiple`` (vocabulary padding unit per tp rank; default 128),
-``use_te`` (TransformerEngine's layer spec; default when importable) and any
+``use_te`` (TransformerEngine's layer spec; default when importable), ``lora`` (a
+``peft.LoraConfig``: train LoRA adapters only, see `twinkle_fn.megatron.lora`) and any
 ``TransformerConfig`` field (e.g. ``recompute_granularity``) but those the mesh, the precision
 and the loss decide (parallel sizes, sequence parallelism, ``bf16`` / ``fp16``, per-token loss). A model built with
 ``activation_checkpointing=True`` recomputes every layer in backward (megatron's full, uniform
@@ -57,6 +58,7 @@ from twinkle_fn.backends.megatron_placement import (
     place,
 )
 from twinkle_fn.losses import LossOutput
+from twinkle_fn.megatron import lora
 from twinkle_fn.megatron.bridge import mcore_to_hf
 from twinkle_fn.megatron.train import forward_backward, micro_batches
 from twinkle_fn.mesh import Mesh
@@ -187,9 +189,12 @@ class MegatronBackend:
 
         Gathers one copy of each tp / pp / ep shard on every rank and joins them with the
         bridge's `mcore_to_hf` (MoE experts come out one tensor per expert). CPU tensors in
-        the model's parameter dtype.
+        the model's parameter dtype. A model that trains LoRA adapters gives the adapters,
+        keyed as in a peft adapter file (`twinkle_fn.megatron.lora.adapter_state_dict`).
         """
         placement = model_placement(state.model)
+        if placement.lora is not None:
+            return lora.adapter_state_dict(state)
         mesh, rank = placement.mesh, dist.get_rank()
         coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
         sends_dense = mesh.data_rank(rank) == 0 and coords["cp"] == 0

@@ -25,13 +25,14 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.megatron import parallel
 from twinkle_fn.megatron.bridge import hf_to_mcore
+from twinkle_fn.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.megatron.model import build_gpt_model
 from twinkle_fn.megatron.safetensors_io import SafetensorsReader
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 
 PLACEMENT_ATTR = "twinkle_placement"  # set on every parameter by `prepare`
-_OWN_OPTIONS = ("num_micro_batches", "vocab_multiple", "use_te")
+_OWN_OPTIONS = ("num_micro_batches", "vocab_multiple", "use_te", "lora")
 # TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
 _FIXED_FIELDS = (
     "tensor_model_parallel_size",
@@ -59,7 +60,9 @@ class MegatronPlacement:
     ``chunks``: this rank's model chunks wrapped in megatron's DDP (one: virtual pipelining is
     refused); ``module``: the unwrapped ``GPTModel`` stage, whose parameter names the state
     uses; ``live_grads``: the parameter tree of the `Grads` that owns the DDP grad buffers now
-    (None when none does), so that stale gradients are refused instead of silently read.
+    (None when none does), so that stale gradients are refused instead of silently read;
+    ``lora``: which linears carry LoRA adapters when the model trains adapters only
+    (``Model.options["lora"]``, see `twinkle_fn.megatron.lora`), else None.
     """
 
     mesh: Mesh
@@ -70,6 +73,7 @@ class MegatronPlacement:
     num_micro_batches: int
     vocab_multiple: int
     live_grads: dict[str, Tensor] | None = None
+    lora: LoraPlan | None = None
 
     @property
     def seq_multiple(self) -> int:
@@ -104,6 +108,9 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         **overrides,
     )
     _load_weights(gpt, model, mesh, vocab_multiple)
+    lora = model.options.get("lora")
+    # Before DDP and the optimizer: their buffers and state then cover the adapters only.
+    plan = None if lora is None else add_adapters(gpt, lora, model.module)
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
     placement = MegatronPlacement(
         mesh=mesh,
@@ -113,6 +120,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         compute_dtype=dtype,
         num_micro_batches=num_micro_batches,
         vocab_multiple=vocab_multiple,
+        lora=plan,
     )
     for p in gpt.parameters():
         setattr(p, PLACEMENT_ATTR, placement)

@@ -6,4 +6,5 @@
 - `spec`: layer specs with torch SDPA core attention (TransformerEngine's when importable);
 - `context_parallel`: the zigzag batch split and the all-gather attention of context parallelism;
 - `model`: ``GPTModel`` of an HF config on this rank's pipeline stage.
+- `lora`: LoRA adapters on the parallel linears, exported as a peft adapter.
 """

@@ -51,6 +51,7 @@ from twinkle_fn.megatron.bridge_rules import (
     _Layout,
     _layout,
     _Model,
+    _model,
     _positive,
     _rank,
     _Slot,
@@ -94,6 +95,7 @@ __all__ = [
     "SliceSource",
     "export_buckets",
     "hf_to_mcore",
+    "join_shards",
     "mcore_to_hf",
     "moe_layers",
     "rules_for",
@@ -323,19 +325,42 @@ class _Ranks:
         return out
 
 
-def _export(slot: _Slot, ranks: _Ranks, model: _Model) -> list[tuple[str, torch.Tensor]]:
-    rule = slot.rule
-    shards = ranks.shards(slot)
+def join_shards(
+    rule: Rule, hf_names: Sequence[str], shards: Sequence[torch.Tensor], hf_config: PretrainedConfig
+) -> list[tuple[str, torch.Tensor]]:
+    """The whole HF tensors of one megatron tensor of `rule`, from its tensor-parallel shards.
+
+    `shards` are every TP (expert TP for expert rules) rank's local tensor in rank order (one
+    for a replicated rule); `hf_names` name the results, one per HF tensor of the rule (q, k, v
+    for 'qkv'; gate, up for 'gate_up'). The rule's transform and split dim apply to any tensor
+    laid out like its megatron tensor (e.g. a LoRA factor split like its base weight). Raises
+    ``ValueError`` for a wrong number of names, an unknown family, or shards that do not join.
+    """
+    if len(hf_names) != TRANSFORMS[rule.transform]:
+        raise ValueError(
+            f"rule {rule.transform!r} for {rule.mcore!r} takes {TRANSFORMS[rule.transform]} HF "
+            f"names, got {len(hf_names)}"
+        )
+    return _join(rule, tuple(hf_names), list(shards), _model(hf_config))
+
+
+def _join(
+    rule: Rule, hf: tuple[str, ...], shards: list[torch.Tensor], model: _Model
+) -> list[tuple[str, torch.Tensor]]:
     if rule.transform == "qkv":
         parts = split_qkv(tp_unshard(shards, 0), model.heads, model.kv_heads, model.head_dim)
-        return list(zip(slot.hf, parts, strict=True))
+        return list(zip(hf, parts, strict=True))
     if rule.transform == "gate_up":
         gates, ups = zip(*(split_gate_up(s) for s in shards), strict=True)
-        return list(zip(slot.hf, (tp_unshard(gates, 0), tp_unshard(ups, 0)), strict=True))
-    (name,) = slot.hf
+        return list(zip(hf, (tp_unshard(gates, 0), tp_unshard(ups, 0)), strict=True))
+    (name,) = hf
     if rule.transform == "vocab":
         return [(name, unpad_vocab(tp_unshard(shards, 0), model.vocab))]
     return [(name, shards[0] if rule.tp_dim is None else tp_unshard(shards, rule.tp_dim))]
+
+
+def _export(slot: _Slot, ranks: _Ranks, model: _Model) -> list[tuple[str, torch.Tensor]]:
+    return _join(slot.rule, slot.hf, ranks.shards(slot), model)
 
 
 def _export_stream(

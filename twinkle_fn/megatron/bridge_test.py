@@ -11,8 +11,12 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinkle_fn.megatron.bridge import (
+    MLP,
+    O_PROJ,
+    QKV,
     export_buckets,
     hf_to_mcore,
+    join_shards,
     mcore_to_hf,
     moe_layers,
     rules_for,
@@ -302,6 +306,21 @@ def test_fc1_holds_each_ranks_gate_shard_then_up_shard(checkpoints):
     gate, up = (state[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up"))
     fc1 = hf_to_mcore(state, cfg, tp_rank=1, tp_size=2)["decoder.layers.1.mlp.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([gate[32:], up[32:]]))
+
+
+def test_join_shards_rebuilds_hf_tensors_from_any_rules_tp_shards(checkpoints):
+    """What a LoRA export relies on: each rule's transform joins tp shards laid out like its
+    megatron tensor (fused qkv, per-rank [gate; up], row-split o_proj) back into HF tensors."""
+    cfg, state = checkpoints["qwen2"]
+    ranks = [hf_to_mcore(state, cfg, tp_rank=t, tp_size=2) for t in range(2)]
+    for rule in (QKV, MLP[0], O_PROJ):
+        names = [n.format(layer=1) for n in rule.hf]
+        shards = [local[rule.mcore.format(layer=1)] for local in ranks]
+        joined = join_shards(rule, names, shards, cfg)
+        assert [n for n, _ in joined] == names
+        assert all(torch.equal(t, state[n]) for n, t in joined)
+    with pytest.raises(ValueError, match="takes 3 HF names, got 1"):
+        join_shards(QKV, names[:1], shards, cfg)
 
 
 def test_experts_are_local_to_the_ep_rank_and_layers_to_the_stage(checkpoints):
