@@ -408,8 +408,13 @@ def test_clip_with_norm_type_other_than_two_is_refused():
 def test_adapter_errors():
     model = _model()
     model.add_adapter_to_model("a", LORA)
-    with pytest.raises(ValueError, match="one adapter per model"):
-        model.add_adapter_to_model("b", LORA)
+    with pytest.raises(ValueError, match=r"adapter 'a' already exists \(adapters: \['a'\]\)"):
+        model.add_adapter_to_model("a", LORA)
+    model.add_adapter_to_model("b", LORA)
+    with pytest.raises(
+        ValueError, match=r"'c' does not exist; this model has adapters \['a', 'b'\]"
+    ):
+        model.forward_backward(inputs=random_features(1), adapter_name="c")
     with pytest.raises(ValueError, match="full-parameter group ''"):
         model.set_optimizer("AdamW", adapter_name="")
     model.set_optimizer("AdamW", adapter_name="a")

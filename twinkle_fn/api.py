@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from twinkle_fn import backends
+from twinkle_fn import backends, lora
 from twinkle_fn.backends.fsdp import copy_into_shard
 from twinkle_fn.loss_scale import init_loss_scale
 from twinkle_fn.losses import LossOutput
@@ -74,6 +74,7 @@ def shard(state: TrainState, mesh: Mesh) -> TrainState:
     state.check_alive()
     if mesh.world_size == 1 or state.mesh == mesh:
         return state
+    lora.use_adapter(state)  # the re-init below takes what requires grad: this state's adapter
     if state.model.placement is not None:
         raise ValueError(
             f"this state is already sharded over {state.mesh}; to move it to {mesh}, save it "
@@ -109,12 +110,15 @@ def fwd_bwd(
     ``[B, T]``) or packed (``[1, T]`` plus ``cu_seqlens``) batch with labels already shifted.
     With `accum`, this batch's gradients are added to it: `accum` is donated (reusing it raises)
     unless ``donate=False``. Returns ``(grads, aux)``, aux holding this micro-batch's
-    ``loss_sum`` and ``num_tokens``. Raises `DonatedError` for a donated state or accum.
+    ``loss_sum`` and ``num_tokens``. A module holding several LoRA adapters computes with the
+    state's own (`twinkle_fn.lora.use_adapter`). Raises `DonatedError` for a donated state or
+    accum.
     """
     state.check_alive()
     if accum is not None:
         accum.check_alive()
         accum = _take(accum, "fwd_bwd", donate)
+    lora.use_adapter(state)
     return backends.get(state.model.backend).fwd_bwd(state, batch, accum)
 
 
@@ -126,6 +130,7 @@ def evaluate(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput
     a donated state.
     """
     state.check_alive()
+    lora.use_adapter(state)
     backend = backends.get(state.model.backend)
     out = backend.loss_of(state, batch)
     backend.after_eval(state.model)

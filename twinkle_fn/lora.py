@@ -8,6 +8,13 @@ the base weight under ``...q_proj.base_layer.weight``). Only the adapters requir
 `twinkle_fn.init` puts only them in the state and the optimizer; the frozen base weights are
 sharded with the module but never receive gradients.
 
+A module may hold several named adapters (``add_lora`` once per name), as peft's multi-adapter
+models do: one is *active* at a time, meaning the forward adds only its low-rank update and only
+its weights require grad (peft's ``set_adapter`` semantics). `set_adapter` selects one, so that
+``twinkle_fn.init`` builds a state over that adapter alone; each adapter then has its own state,
+optimizer state and step. `use_adapter` (called by `twinkle_fn.fwd_bwd`, `evaluate` and `shard`)
+activates the adapter whose weights a state holds before computing with it.
+
 `save_adapter` writes what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``, keys ``base_model.model.<name without the adapter name>``), so
 ``peft.PeftModel.from_pretrained(base_model, dir)`` loads it onto a plain HF model.
@@ -18,15 +25,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import shutil
 import uuid
+import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
-from peft.tuners.tuners_utils import check_target_module_exists
+from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
@@ -52,27 +62,35 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
 # Initialisations that leave the base weights untouched (PiSSA, OLoRA, LoftQ... rewrite them,
 # so an exported adapter would no longer apply to the original base model).
 _INITS = (True, False, "gaussian")
+# The adapter name inside a LoRA weight's name: ``<layer>.lora_A.<adapter>.weight`` (linear),
+# ``<layer>.lora_embedding_B.<adapter>`` (embedding).
+_ADAPTER_OF_PARAM = re.compile(r"\.lora_(?:embedding_)?[AB]\.([^.]+)(?:\.|$)")
 
 
 def add_lora(
     model: Model, config: LoraConfig | dict[str, Any], adapter_name: str = "default"
 ) -> Model:
-    """`model` with peft LoRA adapters injected into its module, in place; base weights frozen.
+    """`model` with peft LoRA adapter `adapter_name` injected into its module, in place; base
+    weights frozen.
 
     `config` is a ``peft.LoraConfig`` or the keyword arguments of one (e.g. ``{"r": 8,
     "lora_alpha": 16, "target_modules": "all-linear"}``; ``"all-linear"`` leaves the lm_head
     out). It is copied, never modified. With the default ``init_lora_weights=True`` every
-    ``lora_B`` starts at zero, so the model computes exactly what it did before. Afterwards only
-    adapter parameters require grad. Call it before `twinkle_fn.init` / `twinkle_fn.shard` on a
-    mesh; under tp the adapter factor on the split side is split like its base layer (see
+    ``lora_B`` starts at zero, so the model computes exactly what it did before. A module may
+    hold several adapters under different names (each with its own config); the new one becomes
+    the active one (see `set_adapter`), so afterwards only its parameters require grad. Its
+    ``lora_A`` init draws from torch's global generator (seed it first for a reproducible
+    adapter). Call it before `twinkle_fn.init` / `twinkle_fn.shard` on a mesh; under tp the
+    adapter factor on the split side is split like its base layer (see
     `twinkle_fn.models.plans.with_lora`). Returns the model (sharing the module).
 
-    Raises ``ValueError`` for a model that is already sharded or already has an adapter, a
-    config that targets the lm_head (it computes the fused loss), one that trains more than
-    low-rank adapters or rewrites the base weights (``bias``, ``modules_to_save``,
-    ``trainable_token_indices``, ``target_parameters``, ``use_dora``, PiSSA-style
-    ``init_lora_weights``), or ``target_modules`` that match no layer (peft's message);
-    ``TypeError`` for a config that is neither a ``LoraConfig`` nor a dict of its fields.
+    Raises ``ValueError`` for a model that is already sharded, an `adapter_name` that is empty,
+    holds a ``.`` or is already taken (naming the adapters there), a config that targets the
+    lm_head (it computes the fused loss), one that trains more than low-rank adapters or
+    rewrites the base weights (``bias``, ``modules_to_save``, ``trainable_token_indices``,
+    ``target_parameters``, ``use_dora``, PiSSA-style ``init_lora_weights``), or
+    ``target_modules`` that match no layer (peft's message); ``TypeError`` for a config that is
+    neither a ``LoraConfig`` nor a dict of its fields.
     """
     module = model.module
     if model.placement is not None or any(isinstance(p, DTensor) for p in module.parameters()):
@@ -80,40 +98,105 @@ def add_lora(
             "this model is already sharded; add adapters before tf.init/tf.shard on a mesh "
             "(add_lora on the unsharded model, then tf.init(model, tx, mesh))"
         )
-    if getattr(module, "peft_config", None):
+    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
+        raise ValueError(f"adapter_name must be a non-empty str without '.', got {adapter_name!r}")
+    names = adapter_names(module)
+    if adapter_name in names:
         raise ValueError(
-            f"this model already has adapters {sorted(module.peft_config)}; add_lora once per model"
+            f"this model already has adapter {adapter_name!r} (adapters: {names}); add another "
+            "adapter under a new name"
         )
     config = _lora_config(config)
     _check_adapters_only(config, _head_name(module))
-    inject_adapter_in_model(config, module, adapter_name=adapter_name)
+    try:
+        with warnings.catch_warnings():
+            # peft warns whenever a second adapter joins a module: that is the point here.
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            inject_adapter_in_model(config, module, adapter_name=adapter_name)
+    except BaseException:
+        # peft registers the config before matching the targets; a failed add leaves no trace.
+        if names:
+            module.peft_config.pop(adapter_name, None)
+        elif hasattr(module, "peft_config"):
+            del module.peft_config
+        raise
+    set_adapter(module, adapter_name)
     return dataclasses.replace(model)
 
 
-def adapter_name_of(module: torch.nn.Module) -> str:
-    """The name of the LoRA adapter `add_lora` put into `module`.
+def adapter_names(module: torch.nn.Module) -> list[str]:
+    """The names of the LoRA adapters `add_lora` put into `module`, in the order added."""
+    return list(getattr(module, "peft_config", None) or ())
 
-    Raises ``ValueError`` when the module has no adapter.
+
+def set_adapter(model: Model | torch.nn.Module, adapter_name: str) -> None:
+    """Make `adapter_name` the active adapter of `model`'s module, in place.
+
+    The forward then adds only this adapter's low-rank update (the others are skipped, not
+    computed), and only its weights require grad, so `twinkle_fn.init` builds a state over
+    exactly them. Raises ``ValueError`` for an adapter the module lacks, naming those it has.
     """
-    names = list(getattr(module, "peft_config", None) or ())
+    module = model.module if isinstance(model, Model) else model
+    names = adapter_names(module)
+    if adapter_name not in names:
+        have = f"adapters {names}" if names else "no LoRA adapter (add one with add_lora)"
+        raise ValueError(f"adapter {adapter_name!r} does not exist; this model has {have}")
+    _activate(module, [adapter_name])
+
+
+def adapters_of(params: Iterable[str]) -> list[str]:
+    """The names of the adapters whose weights `params` (parameter names) include, sorted."""
+    return sorted({m[1] for n in params if (m := _ADAPTER_OF_PARAM.search(n))})
+
+
+def use_adapter(state: TrainState) -> None:
+    """Before computing with `state`: make the adapter(s) whose weights it trains the active
+    ones, when its module holds several adapters (else nothing: one adapter is always active).
+    """
+    module = state.model.module
+    if len(adapter_names(module)) < 2:
+        return
+    mine = adapters_of(state.params)
+    if mine:
+        _activate(module, mine)
+
+
+def _activate(module: torch.nn.Module, names: list[str]) -> None:
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.set_adapter(names)
+
+
+def _adapter_of_state(state: TrainState) -> str:
+    """The one adapter whose weights `state` trains. Raises ``ValueError`` when the model has
+    no adapter, or the state holds none or several."""
+    names = adapter_names(state.model.module)
     if not names:
         raise ValueError(
             "this model has no LoRA adapter; call twinkle_fn.lora.add_lora(model, config) first"
         )
-    return names[0]
+    mine = adapters_of(state.params)
+    if len(mine) != 1:
+        raise ValueError(
+            f"this state trains the weights of adapters {mine} (model adapters: {names}); "
+            "build the state over one adapter: twinkle_fn.lora.set_adapter(model, name), then "
+            "twinkle_fn.init"
+        )
+    return mine[0]
 
 
 def adapter_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
-    """The state's adapter weights as whole tensors, keyed as in a peft adapter file.
+    """The weights of the adapter the state trains, as whole tensors, keyed as in a peft
+    adapter file.
 
     Keys are ``base_model.model.<module path>.lora_A.weight`` etc. (the adapter name removed),
     values whole ``[r, in]`` / ``[out, r]`` tensors on the state's device. On several ranks this
     gathers shards: a collective every rank must call. Raises ``ValueError`` when the model has
-    no adapter and ``DonatedError`` for a donated state.
+    no adapter or the state trains none or several, and ``DonatedError`` for a donated state.
     """
     state.check_alive()
     module = state.model.module
-    name = adapter_name_of(module)
+    name = _adapter_of_state(state)
     full = fsdp.unshard(state.params)
     adapter = get_peft_model_state_dict(
         module, state_dict=full, adapter_name=name, save_embedding_layers=False
@@ -122,21 +205,24 @@ def adapter_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:
-    """Write the state's adapter as a peft adapter directory at `path`; returns the path.
+    """Write the adapter the state trains as a peft adapter directory at `path`; returns the
+    path.
 
     The directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` for
     ``peft.PeftModel.from_pretrained(base_model, path)``. Every rank must call it (the shards
     are gathered); rank 0 writes into a temporary sibling and renames it into place, replacing
     an older directory only once the new one is complete; all ranks return after the rename.
-    Raises ``ValueError`` when the model has no adapter, and ``RuntimeError`` on every rank
-    when rank 0 fails to write (its error is in the message).
+    Raises ``ValueError`` as `adapter_state_dict`, and ``RuntimeError`` on every rank when
+    rank 0 fails to write (its error is in the message).
     """
     path = Path(path)
     weights = adapter_state_dict(state)
+    module = state.model.module
+    config = module.peft_config[_adapter_of_state(state)]
     error = None
     if rank() == 0:
         try:
-            _write_adapter(state.model.module, weights, path)
+            _write_adapter(config, module, weights, path)
         except Exception as e:  # reported to every rank below, so none waits forever
             error = f"{type(e).__name__}: {e}"
     if world_size() > 1:
@@ -188,9 +274,12 @@ def _head_name(module: torch.nn.Module) -> str:
     return next(n for n, m in module.named_modules() if m is head)
 
 
-def _write_adapter(module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
-    """Write the adapter files into a temporary sibling of `path`, then move it into place."""
-    config = copy.deepcopy(module.peft_config[adapter_name_of(module)])
+def _write_adapter(
+    config: LoraConfig, module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path
+) -> None:
+    """Write the adapter files (`config`, `weights`) into a temporary sibling of `path`, then
+    move it into place."""
+    config = copy.deepcopy(config)
     # What PeftModel.save_pretrained records, so from_pretrained builds a PeftModelForCausalLM.
     config.task_type = config.task_type or "CAUSAL_LM"
     config.inference_mode = True

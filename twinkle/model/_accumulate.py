@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import twinkle_fn as tf
-from twinkle.model import _core_ops, _group
+from twinkle.model import _core_ops
 
 
 @dataclasses.dataclass
@@ -55,11 +55,6 @@ class Pending:
         several ranks."""
         assert self.grads is not None
         return float(_core_ops.grad_norm(state, self.grads))
-
-    def step(self, state: tf.TrainState, g: _group.Group) -> tf.TrainState:
-        """`state` after one update of group `g`'s optimizer from the pending gradients (then
-        cleared), clipped to the chosen norm; records ``last_step``."""
-        return self.apply(state.replace(tx=_group.transform(g, self.clip)))
 
     def apply(self, state: tf.TrainState) -> tf.TrainState:
         """`state` after one update of its own transform from the pending gradients (then

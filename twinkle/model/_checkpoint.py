@@ -8,7 +8,7 @@ saved, a ``train_state/`` checkpoint next to it to resume from.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +73,22 @@ def checkpoint_dir(name: str | os.PathLike[str], output_dir: Any) -> Path:
 
 
 def load(
-    state: tf.TrainState, path: Path, *, adapter_name: str, load_optimizer: bool
+    state: tf.TrainState,
+    path: Path,
+    *,
+    adapter_name: str,
+    load_optimizer: bool,
+    others: Iterable[tf.TrainState] = (),
 ) -> tf.TrainState:
     """`state` with the trainable weights saved in `path` (copied in place), or with
-    `load_optimizer` the whole saved training state. Raises ``ValueError`` for a missing or
-    incompatible checkpoint."""
+    `load_optimizer` the whole saved training state. `others`: the other adapters' states on
+    the same module, left as they are. Raises ``ValueError`` for a missing or incompatible
+    checkpoint."""
     if load_optimizer:
-        return tf.checkpoint.load(state, path / TRAIN_STATE_DIR if adapter_name else path)
+        # The training state holds every module tensor at save time, the other adapters'
+        # included, and tf.checkpoint.load writes them all back: keep theirs current.
+        with _core_ops.preserved([p for o in others for p in o.params.values()]):
+            return tf.checkpoint.load(state, path / TRAIN_STATE_DIR if adapter_name else path)
     rename = _core_ops.adapter_key(adapter_name) if adapter_name else str
     _core_ops.load_weights(state.params, path, rename)
     return state

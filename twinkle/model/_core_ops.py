@@ -7,7 +7,7 @@ candidates for the core (``tf.token_logps``, ``tf.grad_norm``, ``tf.checkpoint.l
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from twinkle_fn import backends
 from twinkle_fn.backends.fsdp import all_reduce_dp, copy_into_shard
 from twinkle_fn.backends.hf import bind, model_inputs
-from twinkle_fn.lora import PEFT_PREFIX
+from twinkle_fn.lora import PEFT_PREFIX, use_adapter
 from twinkle_fn.losses import token_logps
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState
@@ -36,10 +36,12 @@ def forward_logps(
 
     Runs the module's plain forward (its lm_head returns logits here), divides the logits by
     `temperature`, and takes `token_logps`. Returns ``(logps [B, T], logits [B, T, V] or
-    None)``, logps 0 where the label is -100. `disable_lora` computes with the base weights
-    only (reference log-probs). On several ranks every rank must call it.
+    None)``, logps 0 where the label is -100. With several LoRA adapters it computes with the
+    state's; `disable_lora` computes with the base weights only (reference log-probs). On
+    several ranks every rank must call it.
     """
     model = state.model
+    use_adapter(state)
     bind(model.module, state.params, sharded=model.placement is not None)
     device = model.device
     autocast = (
@@ -103,6 +105,20 @@ def load_weights(
                 f"{path}: {name} has shape {tuple(saved[name].shape)}, the model {tuple(p.shape)}"
             )
         copy_into_shard(p, saved[name].to(p.dtype))
+
+
+@contextlib.contextmanager
+def preserved(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Restore `tensors` (in place, shards included) to their values at entry when the block
+    ends."""
+    with torch.no_grad():
+        saved = [t.detach().clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in zip(tensors, saved, strict=True):
+                t.copy_(v)
 
 
 @contextlib.contextmanager

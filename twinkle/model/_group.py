@@ -1,19 +1,25 @@
-"""Upstream's optimizer group, one per model here: what the trained adapter (or ``''``, the
-full model) trains with, how it is looked up by adapter name, and the settings checks of the
-training calls (accumulation steps, loss, a new adapter).
+"""Upstream's optimizer groups: what the full model (group ``''``) or each LoRA adapter trains
+with, how a group is looked up by adapter name, and the settings checks of the training calls
+(accumulation steps, loss, a new adapter).
 
-The group's optimizer and scheduler become the core's transform through `optim`.
+`TransformersModel` keeps one `Group` per adapter in `Groups`, each with its own train state
+(that adapter's weights, optimizer state and step) and pending gradients; `MegatronModel` keeps
+one group (no adapters) and looks it up with `resolve`. The group's optimizer and scheduler
+become the core's transform through `optim`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.model import optim
+from twinkle.model._accumulate import Pending
 from twinkle.processor import InputProcessor
 from twinkle.template import Template
 from twinkle_fn.optim import GradientTransformation, Schedule
@@ -35,20 +41,101 @@ class Group:
     processor: InputProcessor | None = None
     last: tuple[dict[str, torch.Tensor], ModelOutput, bool] | None = None  # batch, out, train
     eval_sums: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+    # TransformersModel's training of this group (MegatronModel keeps its own state).
+    state: tf.TrainState | None = None
+    pending: Pending = dataclasses.field(default_factory=Pending)
+
+
+class Groups:
+    """A model's groups by adapter name: the full-model group ``''`` until the first adapter is
+    added, then one group per adapter (the ``''`` group keeps the settings made before, which
+    every new adapter's group starts from). Without a name, a call uses the last added group,
+    upstream's active group."""
+
+    def __init__(self, default: Group) -> None:
+        self._default = default
+        self._adapters: dict[str, Group] = {}
+
+    def __iter__(self) -> Iterator[Group]:
+        """The training groups: the adapters' in the order added, else the ``''`` group."""
+        return iter(self._adapters.values() or [self._default])
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The adapters' names, in the order added."""
+        return list(self._adapters)
+
+    @property
+    def built(self) -> bool:
+        """Whether the train states exist (they are built together, on first use)."""
+        return any(g.state is not None for g in self)
+
+    def resolve(self, adapter_name: str | None) -> Group:
+        """The group of adapter `adapter_name` (None: the last added, else ``''``).
+
+        Raises ``ValueError`` for ``''`` once an adapter trains, and for an unknown name,
+        listing the adapters there are.
+        """
+        if adapter_name is None:
+            return next(reversed(self._adapters.values()), self._default)
+        if adapter_name in self._adapters:
+            return self._adapters[adapter_name]
+        if not self._adapters:
+            return resolve(self._default, adapter_name)
+        names = self.adapter_names
+        if adapter_name == "":
+            raise ValueError(
+                f"this model trains LoRA adapters {names}; the full-parameter group '' no "
+                "longer trains once an adapter is added: pass adapter_name=one of them"
+            )
+        raise ValueError(
+            f"adapter {adapter_name!r} does not exist; this model has adapters {names}. Add "
+            "it with add_adapter_to_model(name, LoraConfig(...)) before training"
+        )
+
+    def add(self, adapter_name: Any, is_trainable: bool, gradient_accumulation_steps: int) -> Group:
+        """A new group for adapter `adapter_name`, with the ``''`` group's settings and
+        `gradient_accumulation_steps` (`register` it once the adapter is in the model).
+
+        Raises ``ValueError`` for an empty or taken name (listing the adapters there), once the
+        states are built, for ``is_trainable=False`` and a bad `gradient_accumulation_steps`.
+        """
+        if not isinstance(adapter_name, str) or not adapter_name:
+            raise ValueError(f"adapter_name must be a non-empty str, got {adapter_name!r}")
+        if adapter_name in self._adapters:
+            raise ValueError(
+                f"adapter {adapter_name!r} already exists (adapters: {self.adapter_names}); "
+                "add another adapter under a new name"
+            )
+        if self.built:
+            raise ValueError(
+                "add adapters before the first forward/step (the states are built then)"
+            )
+        if not is_trainable:
+            raise ValueError("is_trainable=False is not supported: an added adapter trains")
+        gas = accumulation_steps(self._default, gradient_accumulation_steps)
+        return dataclasses.replace(
+            self._default,
+            name=adapter_name,
+            gradient_accumulation_steps=gas,
+            last=None,
+            eval_sums=[0.0, 0.0],
+            state=None,
+            pending=Pending(),
+        )
+
+    def register(self, g: Group) -> None:
+        """Train group `g` (from `add`, once its adapter is in the model) from now on."""
+        self._adapters[g.name] = g
 
 
 def resolve(g: Group, adapter_name: str | None) -> Group:
-    """`g` when `adapter_name` names it (None: the model's group).
+    """`g` when `adapter_name` names it (None: `g`), for a model of one group.
 
-    Raises ``ValueError`` for ``''`` once an adapter trains, and for any other name.
+    Raises ``ValueError`` for any other name.
     """
     if adapter_name is None or adapter_name == g.name:
         return g
-    if adapter_name == "" and g.name:
-        raise ValueError(
-            f"this model trains adapter {g.name!r}; the full-parameter group '' no longer "
-            f"trains (one adapter per model in this build): pass adapter_name={g.name!r}"
-        )
     have = repr(g.name) if g.name else "no adapter (only the default group '')"
     raise ValueError(
         f"adapter {adapter_name!r} does not exist; this model has {have}. Add it with "
@@ -69,6 +156,27 @@ def transform(g: Group, max_grad_norm: float | None) -> GradientTransformation:
     return optim.transform(g.optimizer, learning_rate(g), max_grad_norm)
 
 
+def step(g: Group) -> None:
+    """One update of the group's state by its optimizer from its pending gradients (then
+    cleared), clipped to the norm chosen for this step; records ``g.pending.last_step``."""
+    assert g.state is not None
+    g.state = g.pending.apply(g.state.replace(tx=transform(g, g.pending.clip)))
+
+
+def build_states(
+    model: tf.models.Model, groups: Groups, mesh: tf.Mesh, seed: int | None
+) -> tf.models.Model:
+    """Build every group's train state on `mesh`: an adapter's over that adapter's weights
+    alone (`twinkle_fn.lora.set_adapter` first), the ``''`` group's over the trainable
+    weights. The first shards the module; the others share it. Returns the placed model."""
+    for g in groups:
+        if g.name:
+            tf.lora.set_adapter(model, g.name)
+        g.state = tf.init(model, transform(g, None), mesh, seed=seed)
+        model = g.state.model
+    return model
+
+
 def set_scheduler(g: Group, scheduler_cls: Any, kwargs: dict[str, Any]) -> None:
     """Schedule the group's lr with `scheduler_cls(**kwargs)`. Raises ``ValueError`` (before
     changing anything) for what `optim.schedule` rejects."""
@@ -83,22 +191,6 @@ def accumulation_steps(g: Group, gradient_accumulation_steps: int | None) -> int
     if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
         raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gas!r}")
     return gas
-
-
-def check_new_adapter(g: Group, adapter_name: Any, state_built: bool, is_trainable: bool) -> None:
-    """Raises ``ValueError`` unless adapter `adapter_name` can be added to the model of `g`: a
-    non-empty name, no adapter yet, no state built yet, and `is_trainable`."""
-    if not isinstance(adapter_name, str) or not adapter_name:
-        raise ValueError(f"adapter_name must be a non-empty str, got {adapter_name!r}")
-    if g.name:
-        raise ValueError(
-            f"this model already has adapter {g.name!r}; this build trains one adapter per "
-            "model (upstream's multi-adapter groups are not supported)"
-        )
-    if state_built:
-        raise ValueError("add adapters before the first forward/step (the state is built then)")
-    if not is_trainable:
-        raise ValueError("is_trainable=False is not supported: an added adapter trains")
 
 
 def check_loss(loss_cls: Any, kwargs: dict[str, Any]) -> None:

@@ -9,13 +9,20 @@ optimizer settings can be set first) and the pending `Grads`; each method calls 
   Upstream steps one micro-batch late (its first sync comes at micro-batch N + 1); this does not;
 - ``save``/``load`` = `twinkle_fn.checkpoint` (full model) or `twinkle_fn.lora` (adapter).
 
+Several LoRA adapters may share the model (``add_adapter_to_model`` once per name, before the
+first forward): each adapter is an optimizer group with its own train state (its weights only,
+its optimizer state, schedule and step), pending gradients, accumulation steps, template and
+processor. A call with ``adapter_name=X`` computes with X alone active (`twinkle_fn.lora`), so
+only X's weights get gradients and only X's optimizer steps; the base weights never change.
+Without ``adapter_name`` a call uses the last adapter added (upstream's active group).
+
 Differences from upstream, by design of the core: the loss is the causal-LM cross entropy fused
 into the lm_head (`set_loss` accepts only that); ``forward``/``calculate_loss``/``backward`` are
 kept, but the gradient comes from one ``tf.fwd_bwd`` in ``backward`` (so that path runs the
 forward twice: ``forward_backward`` runs it once); log-probs and logits are computed by an extra
 no-grad forward only when asked for (``return_logps=True`` / ``return_logits=True``); the lr
 schedule is a function of the optimizer's update count, so ``lr_step`` has nothing left to do;
-one LoRA adapter per model.
+once an adapter is added, the full-parameter group ``''`` no longer trains.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function, settings
-from twinkle.model import _accumulate, _build, _checkpoint, _group, _inputs, optim
+from twinkle.model import _build, _checkpoint, _group, _inputs, optim
 from twinkle.model._inputs import Batch
 from twinkle.processor import InputProcessor
 
@@ -79,29 +86,34 @@ class TransformersModel:
         self._model = _build.build_model(
             model_id, config, kwargs, mixed_precision, fsdp_config, self._seed
         )
-        self._group = _group.Group(processor=InputProcessor(self.device_mesh))
-        self._state: tf.TrainState | None = None
-        self._pending = _accumulate.Pending()
+        self._groups = _group.Groups(_group.Group(processor=InputProcessor(self.device_mesh)))
 
     # The model and its state.
     @property
     def model(self) -> torch.nn.Module:
-        """The transformers module (sharded in place once the state is built)."""
-        return self._model.module if self._state is None else self._state.model.module
+        """The transformers module (sharded in place once the states are built)."""
+        return self._model.module
 
     @property
     def state(self) -> tf.TrainState:
-        """The current `twinkle_fn.TrainState` (built on first access)."""
-        return self._ensure_state()
+        """The current `twinkle_fn.TrainState` of the default group (the last adapter added;
+        built on first access). `state_of` gives another adapter's."""
+        return self._ensure_state(self._resolve(None))
 
-    def _ensure_state(self) -> tf.TrainState:
-        if self._state is None:
-            tx = _group.transform(self._group, None)
-            self._state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
-        return self._state
+    def state_of(self, adapter_name: str | None = None) -> tf.TrainState:
+        """The current `twinkle_fn.TrainState` of adapter `adapter_name` (its weights,
+        optimizer state and step). Raises ``ValueError`` for an unknown adapter."""
+        return self._ensure_state(self._resolve(adapter_name))
+
+    def _ensure_state(self, g: _group.Group) -> tf.TrainState:
+        if g.state is None:
+            mesh = self.device_mesh.mesh
+            self._model = _group.build_states(self._model, self._groups, mesh, self._seed)
+        assert g.state is not None
+        return g.state
 
     def _resolve(self, adapter_name: str | None) -> _group.Group:
-        return _group.resolve(self._group, adapter_name)
+        return self._groups.resolve(adapter_name)
 
     def _encode(self, adapter_name: str | None, inputs: Any) -> tuple[_group.Group, Batch]:
         g = self._resolve(adapter_name)
@@ -128,9 +140,9 @@ class TransformersModel:
         weights the gradient is taken at). `gradient_accumulation_steps` is read at step time.
         """
         g, batch = self._encode(adapter_name, inputs)
-        state = self._ensure_state()
+        state = self._ensure_state(g)
         out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
-        out.update(self._pending.add(state, batch))
+        out.update(g.pending.add(state, batch))
         g.last = (batch, out, False)
         return out
 
@@ -146,7 +158,7 @@ class TransformersModel:
         """A training forward: returns ``logps`` (and ``logits`` if asked); `backward` then
         takes the gradient of these inputs. No gradient is kept from this call itself."""
         g, batch = self._encode(adapter_name, inputs)
-        out = _inputs.outputs(self._ensure_state(), batch, temperature, return_logits)
+        out = _inputs.outputs(self._ensure_state(g), batch, temperature, return_logits)
         g.last = (batch, out, True)
         return out
 
@@ -163,7 +175,7 @@ class TransformersModel:
         """An evaluation forward (no gradient): ``logps``, ``loss``, ``num_tokens`` (and
         ``logits`` if asked). `disable_lora` uses the base weights (reference log-probs)."""
         g, batch = self._encode(adapter_name, inputs)
-        state = self._ensure_state()
+        state = self._ensure_state(g)
         out = _inputs.outputs(state, batch, temperature, return_logits, disable_lora)
         g.last = (batch, out, False)
         _group.add_eval(g, out)
@@ -192,13 +204,17 @@ class TransformersModel:
         g = self._resolve(adapter_name)
         if g.last is None or not g.last[2]:
             raise ValueError("backward needs a forward(inputs=...) call before it")
-        self._pending.add(self._ensure_state(), g.last[0])
+        g.pending.add(self._ensure_state(g), g.last[0])
         g.last = (g.last[0], g.last[1], False)
 
-    def _due(self, adapter_name: str | None, gradient_accumulation_steps: int | None) -> bool:
-        """Whether the pending gradients hold (at least) the micro-batches of one step."""
-        gas = _group.accumulation_steps(self._resolve(adapter_name), gradient_accumulation_steps)
-        return self._pending.due(gas)
+    def _due(
+        self, adapter_name: str | None, gradient_accumulation_steps: int | None
+    ) -> _group.Group | None:
+        """The adapter's group when its pending gradients hold (at least) the micro-batches of
+        one step, else None."""
+        g = self._resolve(adapter_name)
+        gas = _group.accumulation_steps(g, gradient_accumulation_steps)
+        return g if g.pending.due(gas) else None
 
     @remote_function()
     def clip_grad_norm(
@@ -212,10 +228,11 @@ class TransformersModel:
         norm of the token-normalised gradients) and return their norm before clipping; None
         while micro-batches are still accumulating. Raises ``ValueError`` for norm_type != 2.
         """
-        if not self._due(adapter_name, gradient_accumulation_steps):
+        g = self._due(adapter_name, gradient_accumulation_steps)
+        if g is None:
             return None
-        self._pending.set_clip(max_grad_norm, norm_type)
-        return self._pending.grad_norm(self._ensure_state())
+        g.pending.set_clip(max_grad_norm, norm_type)
+        return g.pending.grad_norm(self._ensure_state(g))
 
     @remote_function()
     def step(
@@ -233,8 +250,9 @@ class TransformersModel:
                 f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
                 "to change the learning rate or weight decay"
             )
-        if self._due(adapter_name, gradient_accumulation_steps):
-            self._state = self._pending.step(self._ensure_state(), self._group)
+        g = self._due(adapter_name, gradient_accumulation_steps)
+        if g is not None:
+            _group.step(g)
 
     @remote_function()
     def zero_grad(
@@ -244,8 +262,9 @@ class TransformersModel:
         set_to_none: bool = True,
     ) -> None:
         """On a step boundary, drop the pending gradients (`step` already consumed them)."""
-        if self._due(adapter_name, gradient_accumulation_steps):
-            self._pending.clear()
+        g = self._due(adapter_name, gradient_accumulation_steps)
+        if g is not None:
+            g.pending.clear()
 
     @remote_function()
     def lr_step(
@@ -266,11 +285,12 @@ class TransformersModel:
         """`clip_grad_norm`, `step`, `zero_grad`, `lr_step` after exactly
         `gradient_accumulation_steps` micro-batches (default: the group's); returns the
         gradient norm before clipping, or None while still accumulating."""
-        if not self._due(adapter_name, gradient_accumulation_steps):
+        g = self._due(adapter_name, gradient_accumulation_steps)
+        if g is None:
             return None
-        self._pending.set_clip(max_grad_norm, norm_type)
-        self.step(adapter_name, gradient_accumulation_steps)
-        return self._pending.last_step["grad_norm"]
+        g.pending.set_clip(max_grad_norm, norm_type)
+        _group.step(g)
+        return g.pending.last_step["grad_norm"]
 
     @remote_function(collect="first")
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
@@ -278,7 +298,7 @@ class TransformersModel:
         ranks), ``grad_norm``, ``lr``, ``num_tokens`` and ``step``. Evaluation: the token-mean
         ``loss`` over this rank's `forward_only` calls since the last call (then reset)."""
         g = self._resolve(adapter_name)
-        return dict(self._pending.last_step) if is_training else _group.pop_eval(g)
+        return dict(g.pending.last_step) if is_training else _group.pop_eval(g)
 
     # Settings.
     @remote_function()
@@ -289,9 +309,9 @@ class TransformersModel:
         optimizer. Raises ``ValueError`` for an unknown optimizer, listing the known ones."""
         g = self._resolve(kwargs.pop("adapter_name", None))
         g.optimizer = optim.optimizer_spec(optimizer_cls, **kwargs)
-        if self._state is not None:
+        if g.state is not None:
             tx = _group.transform(g, None)
-            self._state = self._state.replace(tx=tx, opt_state=tx.init(self._state.params))
+            g.state = g.state.replace(tx=tx, opt_state=tx.init(g.state.params))
 
     @remote_function()
     def set_lr_scheduler(self, scheduler_cls: Any, **kwargs: Any) -> None:
@@ -302,8 +322,8 @@ class TransformersModel:
         ones."""
         g = self._resolve(kwargs.pop("adapter_name", None))
         _group.set_scheduler(g, scheduler_cls, kwargs)
-        if self._state is not None:
-            self._state = self._state.replace(tx=_group.transform(g, None))
+        if g.state is not None:
+            g.state = g.state.replace(tx=_group.transform(g, None))
 
     @remote_function()
     def set_loss(self, loss_cls: Any, **kwargs: Any) -> None:
@@ -336,18 +356,19 @@ class TransformersModel:
         gradient_accumulation_steps: int = 1,
     ) -> None:
         """Add LoRA adapter `adapter_name` (a ``LoraConfig``, its fields as a dict, or a peft
-        adapter directory to continue from) and train only it from now on.
+        adapter directory to continue from) as a new optimizer group, the default one from now
+        on (calls without ``adapter_name`` use it).
 
-        The group keeps the settings made so far (optimizer, scheduler, template, processor).
-        Raises ``ValueError`` for an empty name, a second adapter (one per model in this
-        build), an adapter added after the state was built (add adapters before the first
-        forward), ``is_trainable=False``, and what `twinkle_fn.lora.add_lora` rejects.
+        The group starts with the settings made before the first adapter was added
+        (optimizer, scheduler, template, processor); change them per adapter with
+        ``adapter_name=``. The adapter's ``lora_A`` init draws from torch's global generator.
+        Raises ``ValueError`` for an empty or taken name (listing the adapters there), an
+        adapter added after the states were built (add adapters before the first forward),
+        ``is_trainable=False``, and what `twinkle_fn.lora.add_lora` rejects.
         """
-        g = self._group
-        _group.check_new_adapter(g, adapter_name, self._state is not None, is_trainable)
-        g.gradient_accumulation_steps = _group.accumulation_steps(g, gradient_accumulation_steps)
+        g = self._groups.add(adapter_name, is_trainable, gradient_accumulation_steps)
         self._model = _checkpoint.add_adapter(self._model, adapter_name, config_or_dir)
-        g.name = adapter_name
+        self._groups.register(g)
 
     # Checkpoints.
     @remote_function(execute="all")
@@ -370,11 +391,11 @@ class TransformersModel:
         call it.
         """
         g = self._resolve(adapter_name)
-        state = self._ensure_state()
+        state = self._ensure_state(g)
         path = _checkpoint.save_path(state, name, output_dir, interval)
         if path is None:
             return None
-        tokenizer = _inputs.tokenizer(self._group, self.tokenizer_id)
+        tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
         _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
         return str(path)
 
@@ -391,9 +412,10 @@ class TransformersModel:
         call it. Raises ``ValueError`` for a missing or incompatible checkpoint."""
         g = self._resolve(adapter_name)
         path = _checkpoint.checkpoint_dir(name, output_dir)
-        state = self._ensure_state()
-        self._state = _checkpoint.load(
-            state, path, adapter_name=g.name, load_optimizer=load_optimizer
+        state = self._ensure_state(g)
+        others = [o.state for o in self._groups if o is not g and o.state is not None]
+        g.state = _checkpoint.load(
+            state, path, adapter_name=g.name, load_optimizer=load_optimizer, others=others
         )
 
     @remote_function(execute="all")
@@ -417,10 +439,11 @@ class TransformersModel:
 
     @remote_function(collect="first")
     def get_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
-        """The trainable parameters (the adapter's, with one) as whole tensors, by module name.
-        A collective on several ranks."""
-        self._resolve(adapter_name)
-        return tf.unshard(self._ensure_state())
+        """The trainable parameters of adapter `adapter_name` (default: the last added; the
+        whole model's without adapters) as whole tensors, by module name (``...lora_A.<adapter
+        name>.weight``). A collective on several ranks. Raises ``ValueError`` for an unknown
+        adapter, listing the adapters there are."""
+        return tf.unshard(self._ensure_state(self._resolve(adapter_name)))
 
     @remote_function(execute="first")
     def get_train_configs(self, adapter_name: str | None = None) -> str:
@@ -430,6 +453,7 @@ class TransformersModel:
             f"model: {self.model_id or type(self.model).__name__} ({self._model.family})",
             f"device_mesh: {self.device_mesh}",
             f"mixed_precision: {self.mixed_precision}, strategy: {self.strategy} (FSDP2 core)",
+            f"adapters: {self._groups.adapter_names or 'none'}",
             *_group.describe(g),
         ]
         return "\n".join(lines)
