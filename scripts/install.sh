@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with Python >= 3.12 and install twinkle into it.
 #   bash scripts/install.sh         # the library and the `twinkle` command
-#   bash scripts/install.sh test    # plus the test tools (pytest, hypothesis, ruff)
+#   bash scripts/install.sh test    # plus the test tools (pytest, hypothesis, ruff, ray)
 # torch is installed first and pinned so pip does not pull a different multi-GB build.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -128,8 +128,8 @@ def test_initialize_local_mode_checks_the_world():
         assert settings().device_mesh.world_size == 1 and settings().seed == 7
         with pytest.raises(ValueError, match=r"has 2 ranks but torch\.distributed's world has 1"):
             initialize(global_device_mesh=DeviceMesh.from_sizes(fsdp_size=2))
-        with pytest.raises(ValueError, match=r"needs the ray package|not available in this build"):
-            initialize(mode="ray")
+        with pytest.raises(ValueError, match=r"needs the ray package|needs groups="):
+            initialize(mode="ray")  # ray mode itself: twinkle/_ray_engine_test.py
         with pytest.raises(ValueError, match="mode must be one of local, ray"):
             initialize(mode="slurm")
     finally:

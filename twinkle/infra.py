@@ -1,9 +1,15 @@
-"""`initialize`, `remote_class` and `remote_function`: upstream Twinkle's process model, local mode.
+"""`initialize`, `remote_class` and `remote_function`: upstream Twinkle's process model.
 
-In local mode (one process, or one process per rank under torchrun) every call is a plain
-in-process call: `remote_class` only injects the global `DeviceMesh` into constructors that take
+Local mode (one process, or one process per rank under torchrun): every call is a plain
+in-process call; `remote_class` only injects the global `DeviceMesh` into constructors that take
 one and drops the Ray-only ``remote_group``/``instance_id`` arguments, and `remote_function`
-records its dispatch/collect policy on the function for the Ray engine to read.
+records its dispatch/collect policy on the function.
+
+Ray mode (``initialize(mode='ray', groups=[DeviceGroup(...)])``): constructing a `remote_class`
+with ``remote_group='name'`` starts one Ray actor per rank of its mesh on that group and returns a
+handle whose methods run in the actors, dispatched and collected by their `remote_function`
+policy (`twinkle._ray_engine`, `twinkle._remote_dispatch`). Without ``remote_group`` the object
+is built in the driver, as upstream. `shutdown` ends Ray mode.
 
 Upstream's API is module-level (``twinkle.initialize(...)`` then constructors pick up the global
 mesh), so this module keeps the one piece of process-wide state that the API implies: the
@@ -14,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import inspect
+import os
 import random
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -37,7 +43,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 @dataclasses.dataclass(frozen=True)
 class DeviceGroup:
-    """A named set of ranks (upstream's Ray resource group; recorded in local mode)."""
+    """A named set of ranks: where Ray mode places the objects built with ``remote_group=name``.
+
+    `ranks`: a count or a list of ranks (one actor each); `device_type`: 'CPU', 'GPU' or None
+    (GPUs when the cluster has them); `gpus_per_worker`: GPUs per actor. Recorded in local mode.
+    """
 
     name: str
     ranks: list[int] | int
@@ -48,12 +58,15 @@ class DeviceGroup:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What `initialize` set: the mode, the global mesh, the seed and the device groups."""
+    """What `initialize` set: the mode, the global mesh, the seed, the device groups, and
+    whether it started the Ray cluster (so that `shutdown` ends it)."""
 
     mode: str = "local"
     device_mesh: DeviceMesh | None = None
     seed: int = DEFAULT_SEED
     groups: tuple[DeviceGroup, ...] = ()
+    full_determinism: bool = False
+    ray_started: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,61 +108,157 @@ def initialize(
     name: str | None = None,
     notifier: Any = None,
 ) -> None:
-    """Set up twinkle for this process: join torch.distributed, fix the global mesh, seed.
+    """Set up twinkle for this process: the mode, the global mesh, the seed.
 
     Local mode joins the process group the launcher describes (torchrun's environment; nothing
     on a plain single process) and checks that `global_device_mesh` (default: dp over the whole
-    world) covers exactly that world. `seed` seeds ``random`` and torch; `full_determinism`
-    turns on torch's deterministic algorithms. ``nproc_per_node``, ``ncpu_proc_per_node``,
-    ``lazy_collect``, ``name`` and ``notifier`` concern Ray mode and are accepted for
-    compatibility. Raises ``ValueError`` for an unknown mode, for ``mode='ray'`` (Ray is not
-    installed, or Ray mode is not in this build), and for a mesh that does not match the world.
+    world) covers exactly that world.
+
+    Ray mode starts a local Ray cluster with ``min(ncpu_proc_per_node, cpu count)`` CPUs (or
+    joins ``RAY_ADDRESS``'s; an already initialized Ray is used as it is) and records `groups`,
+    the `DeviceGroup` s that ``remote_group=`` names (default: one group ``'default'`` of the
+    mesh's ranks); `global_device_mesh` defaults to dp over the first group. A group's
+    ``device_type`` is 'CPU' (gloo), 'GPU' (NCCL, ``gpus_per_worker`` GPUs per rank) or None
+    (GPUs when the cluster has them).
+
+    `seed` seeds ``random`` and torch (here and in every actor); `full_determinism` turns on
+    torch's deterministic algorithms. ``nproc_per_node`` (Ray finds the GPUs itself),
+    ``lazy_collect`` (results are always collected at once), ``name`` and ``notifier`` are
+    accepted for compatibility. Raises ``ValueError`` for an unknown mode, a mesh that does not
+    match the world (local), and in Ray mode for a missing ray package, neither groups nor a
+    mesh, duplicate group names, bad ranks, ``visible_devices``, or more GPUs than the cluster
+    has.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if global_device_mesh is not None and not isinstance(global_device_mesh, DeviceMesh):
+        raise TypeError(
+            f"global_device_mesh must be a DeviceMesh, got {type(global_device_mesh).__name__}"
+        )
+    recorded_seed = DEFAULT_SEED if seed is None else seed
     if mode == "ray":
-        if importlib.util.find_spec("ray") is None:
+        new = _ray_settings(
+            ncpu_proc_per_node, recorded_seed, full_determinism, groups, global_device_mesh
+        )
+    else:
+        init_distributed()
+        world = world_size()
+        mesh = global_device_mesh or DeviceMesh.from_sizes(dp_size=world)
+        if mesh.world_size != world:
             raise ValueError(
-                "mode='ray' needs the ray package, which is not installed; "
-                "pip install 'twinkle[ray]', or use mode='local' under torchrun"
+                f"global_device_mesh has {mesh.world_size} ranks but torch.distributed's world "
+                f"has {world}; launch {mesh.world_size} processes (torchrun --nproc_per_node "
+                f"{mesh.world_size}) or build the mesh for {world}"
             )
+        new = Settings(mode, mesh, recorded_seed, tuple(groups or ()), full_determinism)
+    _seed_everything(seed, full_determinism)
+    _SETTINGS[0] = new
+
+
+def _ray_settings(
+    ncpu_proc_per_node: int,
+    seed: int,
+    full_determinism: bool,
+    groups: list[DeviceGroup] | None,
+    mesh: DeviceMesh | None,
+) -> Settings:
+    """Ray mode's settings, after checking the groups and starting (or joining) Ray."""
+    from twinkle import _ray_engine
+
+    if not groups and mesh is None:
         raise ValueError(
-            "mode='ray' is not available in this build of twinkle yet; use mode='local' "
-            "(one process per rank under torchrun)"
+            "mode='ray' needs groups=[DeviceGroup(name, ranks)] (where remote_group= places "
+            "objects) or global_device_mesh=DeviceMesh.from_sizes(...)"
         )
-    init_distributed()
-    world = world_size()
-    mesh = global_device_mesh or DeviceMesh.from_sizes(dp_size=world)
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"global_device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.world_size != world:
+    groups = tuple(groups or (DeviceGroup("default", mesh.world_size),))
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"DeviceGroup names must be unique, got {names}")
+    for group in groups:
+        _check_group(group)
+    started = _ray_engine.start_ray(max(1, min(ncpu_proc_per_node, os.cpu_count() or 1)))
+    try:
+        for group in groups:
+            _ray_engine.uses_gpus(group)  # raises now, not when an object is placed
+    except ValueError:
+        if started:
+            _ray_engine.stop_ray()
+        raise
+    # A second initialize keeps ending the cluster that the first one started.
+    started = started or (settings().mode == "ray" and settings().ray_started)
+    mesh = mesh or DeviceMesh.from_sizes(dp_size=_ray_engine.group_size(groups[0]))
+    return Settings("ray", mesh, seed, groups, full_determinism, started)
+
+
+def _check_group(group: DeviceGroup) -> None:
+    ranks = group.ranks
+    bad_int = isinstance(ranks, int) and (isinstance(ranks, bool) or ranks < 1)
+    bad_list = not isinstance(ranks, int) and (
+        not ranks or len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks)
+    )
+    if bad_int or bad_list:
         raise ValueError(
-            f"global_device_mesh has {mesh.world_size} ranks but torch.distributed's world has "
-            f"{world}; launch {mesh.world_size} processes (torchrun --nproc_per_node "
-            f"{mesh.world_size}) or build the mesh for {world}"
+            f"DeviceGroup {group.name!r}: ranks must be a positive count or a list of distinct "
+            f"ranks, got {ranks!r}"
         )
+    if group.gpus_per_worker < 1:
+        raise ValueError(f"DeviceGroup {group.name!r}: gpus_per_worker must be >= 1")
+    if group.visible_devices is not None:
+        raise ValueError(
+            f"DeviceGroup {group.name!r}: visible_devices is not supported in this build (Ray "
+            "assigns the GPUs); restrict them with CUDA_VISIBLE_DEVICES before starting Ray"
+        )
+
+
+def shutdown() -> None:
+    """Leave Ray mode: disconnect from Ray (ending the cluster `initialize` started, and with it
+    the actors of every remote object) and go back to the default local settings. A no-op in
+    local mode."""
+    if settings().mode == "ray" and settings().ray_started:
+        from twinkle import _ray_engine
+
+        _ray_engine.stop_ray()
+    _SETTINGS[0] = Settings()
+
+
+def _seed_everything(seed: int | None, full_determinism: bool) -> None:
     if seed is not None:
         random.seed(seed)
         torch.manual_seed(seed)
     if full_determinism:
         torch.use_deterministic_algorithms(True)
-    _SETTINGS[0] = Settings(mode, mesh, DEFAULT_SEED if seed is None else seed, tuple(groups or ()))
 
 
 def remote_class(execute: str = "peer") -> Callable[[_C], _C]:
-    """Class decorator: in local mode the constructor runs in-process, as written.
+    """Class decorator: the object is built in-process, or in Ray actors with ``remote_group``.
 
-    The constructor gets the global mesh (from `initialize`) for a parameter annotated
-    ``DeviceMesh`` that the caller left out; ``remote_group`` and ``instance_id`` (Ray
-    placement) are dropped. The class keeps its name, signature and methods. Raises
-    ``ValueError`` for an unknown `execute`.
+    In-process (local mode, or Ray mode without ``remote_group``) the constructor runs as
+    written; it gets the global mesh (from `initialize`) for a parameter annotated
+    ``DeviceMesh`` that the caller left out (in Ray mode, an ``execute='first'`` class gets a
+    one-rank mesh instead: the driver's DataLoader yields whole global batches, as upstream),
+    and ``remote_group``/``instance_id`` are dropped.
+
+    In Ray mode with ``remote_group='name'`` the call returns a handle (an instance of a subclass
+    of the class, see `twinkle._ray_engine`) whose object lives in one Ray actor per rank of its
+    mesh (the caller's, else the global one; a class without a mesh parameter gets dp over the
+    group), or in one actor with a one-rank mesh for ``execute='first'``. Raises ``ValueError``
+    for an unknown `execute`, and at construction for an unknown group or a mesh whose size is
+    not the group's.
     """
     _check_choice("execute", execute, EXECUTE)
 
     def decorate(cls: _C) -> _C:
         init = cls.__init__
+        base_new = cls.__new__
         signature = inspect.signature(init)
         mesh_param = _device_mesh_parameter(signature)
+
+        def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
+            if settings().mode == "ray" and kwargs.get("remote_group") is not None:
+                return _remote_instance(klass, signature, mesh_param, execute, args, kwargs)
+            if base_new is object.__new__:
+                return object.__new__(klass)
+            return base_new(klass, *args, **kwargs)
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -157,14 +266,79 @@ def remote_class(execute: str = "peer") -> Callable[[_C], _C]:
             self._remote_group = kwargs.pop("remote_group", None)
             bound = signature.bind(self, *args, **kwargs)
             if mesh_param and bound.arguments.get(mesh_param) is None:
-                bound.arguments[mesh_param] = settings().device_mesh
+                ray_first = settings().mode == "ray" and execute == "first"
+                mesh = DeviceMesh.from_sizes(dp_size=1) if ray_first else settings().device_mesh
+                bound.arguments[mesh_param] = mesh
             init(*bound.args, **bound.kwargs)
 
+        __new__.__signature__ = signature  # inspect.signature(cls) shows the constructor's
+        cls.__new__ = staticmethod(__new__)
         cls.__init__ = __init__
         cls.__twinkle_remote__ = RemoteClassSpec(execute)
         return cls
 
     return decorate
+
+
+def _remote_instance(
+    klass: type,
+    signature: inspect.Signature,
+    mesh_param: str | None,
+    execute: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The ray-mode handle of ``klass(*args, **kwargs)`` placed on ``kwargs['remote_group']``."""
+    from twinkle import _ray_engine
+
+    kwargs = dict(kwargs)
+    group = _group(kwargs.pop("remote_group"))
+    kwargs.pop("instance_id", None)
+    bound = signature.bind(None, *args, **kwargs)  # a TypeError for bad arguments, here
+    size = _ray_engine.group_size(group)
+    if execute == "first":
+        world, mesh = 1, DeviceMesh.from_sizes(dp_size=1)
+    else:
+        world = size
+        mesh = bound.arguments.get(mesh_param) if mesh_param else None
+        mesh = mesh or (
+            settings().device_mesh if mesh_param else DeviceMesh.from_sizes(dp_size=size)
+        )
+    if mesh.world_size != world:
+        raise ValueError(
+            f"{klass.__name__}'s device_mesh has {mesh.world_size} ranks but DeviceGroup "
+            f"{group.name!r} has {world}; build the mesh for {world} ranks or use a group "
+            f"of {mesh.world_size}"
+        )
+    if mesh_param:
+        bound.arguments[mesh_param] = mesh
+    s = settings()
+    actor_settings = Settings("local", mesh, s.seed, (), s.full_determinism)
+    factory = functools.partial(
+        _construct_in_actor, klass, actor_settings, bound.args[1:], bound.kwargs
+    )
+    return _ray_engine.create_handle(klass, factory, group, world, mesh)
+
+
+def _group(name: str) -> DeviceGroup:
+    groups = settings().groups
+    for group in groups:
+        if group.name == name:
+            return group
+    raise ValueError(
+        f"remote_group={name!r} is not one of the DeviceGroups given to initialize: "
+        f"{[g.name for g in groups]}"
+    )
+
+
+def _construct_in_actor(
+    klass: type, actor_settings: Settings, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Build the object in a Ray actor: local-mode settings over the object's mesh, seeded as
+    the driver, then the constructor."""
+    _SETTINGS[0] = actor_settings
+    _seed_everything(actor_settings.seed, actor_settings.full_determinism)
+    return klass(*args, **kwargs)
 
 
 def remote_function(
