@@ -7,6 +7,10 @@ names, and on one process the optimizer state) and ``twinkle_manifest.json``. A 
 ``torch.distributed.checkpoint``, each rank writing its own shards, so a checkpoint loads on
 another mesh (DCP reshards on load) or on one process.
 
+A megatron-backend state is written by `twinkle_fn.megatron.dist_checkpoint` instead: the same
+HF files (gathered across tp / pp / ep) plus ``megatron/``, megatron-core's ``dist_checkpointing``
+of model, optimizer and RNG states, which loads on another tp / pp / dp mesh.
+
 A save writes into a temporary sibling directory and renames it into place only once the
 manifest is written, so an interrupted save never leaves a directory that `load` accepts.
 """
@@ -49,41 +53,32 @@ def save(
 
     On several ranks every rank must call it (it gathers the HF weights and writes its own
     shards); rank 0 writes the rest. An existing checkpoint at `path` is replaced only after the
-    new one is complete. Returns the path. Raises ``DonatedError`` for a donated state and
-    ``TypeError`` for non-JSON `extra`.
+    new one is complete. Returns the path. Raises ``DonatedError`` for a donated state,
+    ``TypeError`` for non-JSON `extra`, and for a megatron state ``ValueError`` as
+    `twinkle_fn.megatron.dist_checkpoint.save` does.
     """
     state.check_alive()
-    _check_backend(state)
     path = Path(path)
     extra = extra or {}
     json.dumps(extra)
-    sharded = state.model.placement is not None
+    megatron = state.model.backend == "megatron"
+    sharded = megatron or state.model.placement is not None
     writer = rank() == 0
     tmp = path.parent / f".{path.name}.tmp-{_shared_token()}"
     try:
         if writer:
             tmp.mkdir(parents=True)
         _barrier()
-        opt = tree_flatten_with_path(state.opt_state)
-        if sharded:
-            dcp.save(_dcp_state(state), checkpoint_id=tmp / DCP_DIR)
-        full = _full_state_dict(state)
+        if megatron:
+            _dist_checkpoint().save(state, tmp)
+        else:
+            _save_fsdp(state, tmp, sharded, writer)
         if writer:
-            state.model.module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            meta = {
-                "opt_paths": [p for p, _ in opt],
-                "step": state.step,
-                "rng": state.rng,
-                "loss_scale": None if state.loss_scale is None else tuple(state.loss_scale),
-                "trainable": sorted(state.params),
-            }
-            if not sharded:
-                meta["opt_leaves"] = [leaf for _, leaf in opt]
-            torch.save(meta, tmp / STATE_FILE)
             manifest = {"format": FORMAT, "step": int(state.step), "extra": extra}
-            _write_json(tmp / MANIFEST, {**manifest, "sharded": sharded})
+            manifest.update(sharded=sharded, backend=state.model.backend)
+            _write_json(tmp / MANIFEST, manifest)
             _replace_dir(tmp, path)
         _barrier()
     except BaseException:
@@ -91,6 +86,26 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _save_fsdp(state: TrainState, tmp: Path, sharded: bool, writer: bool) -> None:
+    """The HF files, ``twinkle_state.pt`` and, for a sharded state, ``dcp/`` of `state`."""
+    opt = tree_flatten_with_path(state.opt_state)
+    if sharded:
+        dcp.save(_dcp_state(state), checkpoint_id=tmp / DCP_DIR)
+    full = _full_state_dict(state)
+    if writer:
+        state.model.module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        meta = {
+            "opt_paths": [p for p, _ in opt],
+            "step": state.step,
+            "rng": state.rng,
+            "loss_scale": None if state.loss_scale is None else tuple(state.loss_scale),
+            "trainable": sorted(state.params),
+        }
+        if not sharded:
+            meta["opt_leaves"] = [leaf for _, leaf in opt]
+        torch.save(meta, tmp / STATE_FILE)
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
@@ -110,11 +125,20 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
     the mesh the checkpoint was saved on. With ``donate=True`` its buffers are overwritten in
     place and it is consumed; ``donate=False`` (one process only) fills a copy. On several ranks
     every rank must call it. Raises ``ValueError`` for an incomplete or incompatible checkpoint
-    (missing manifest, other trainable parameters, another optimizer's state).
+    (missing manifest, another backend's state, other trainable parameters, another optimizer's
+    state); a megatron state also as `twinkle_fn.megatron.dist_checkpoint.load` does.
     """
-    _check_backend(state)
     path = Path(path)
     manifest = _manifest(path)
+    _check_backend(state, manifest, path)
+    if state.model.backend == "megatron":
+        if not donate:
+            raise ValueError(
+                "load(donate=False) copies the state, which a megatron model cannot do"
+            )
+        new = state.replace()
+        state.donate("checkpoint.load")
+        return _dist_checkpoint().load(new, path)
     saved = torch.load(path / STATE_FILE, weights_only=True)
     if saved["trainable"] != sorted(state.params):
         raise ValueError(
@@ -144,12 +168,21 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
     return new.replace(step=saved["step"].clone(), rng=saved["rng"].clone(), loss_scale=loss_scale)
 
 
-def _check_backend(state: TrainState) -> None:
-    if state.model.backend != "fsdp":
+def _check_backend(state: TrainState, manifest: dict[str, Any], path: Path) -> None:
+    saved = manifest.get("backend", "fsdp")  # checkpoints before megatron's have no backend
+    if saved != state.model.backend:
         raise ValueError(
-            f"checkpoints of {state.model.backend!r} states are not supported yet (megatron's "
-            "dist_checkpointing is not wired in); export weights with tf.unshard meanwhile"
+            f"checkpoint {path} holds a {saved!r} train state, which a {state.model.backend!r} "
+            f"state cannot load; start from its HF weights instead: "
+            f"tf.models.from_pretrained({str(path)!r}, backend={state.model.backend!r})"
         )
+
+
+def _dist_checkpoint() -> Any:
+    """`twinkle_fn.megatron.dist_checkpoint`, imported on first use (megatron-core is heavy)."""
+    from twinkle_fn.megatron import dist_checkpoint
+
+    return dist_checkpoint
 
 
 def _dcp_state(state: TrainState) -> dict[str, dict[str, torch.Tensor]]:

@@ -181,6 +181,13 @@ def _slots(optimizer: Any, params: Mapping[str, Tensor]) -> dict[str, dict[str, 
     return slots
 
 
+def refresh_slots(placement: MegatronPlacement, opt: MegatronOptState) -> MegatronOptState:
+    """`opt` with its slots re-read from megatron's optimizer (after a checkpoint load, which
+    may replace the optimizer's tensors)."""
+    names = dict(placement.module.named_parameters())
+    return dataclasses.replace(opt, slots=_slots(opt.optimizer, names))
+
+
 def megatron_update(
     placement: MegatronPlacement, opt: MegatronOptState, num_tokens: Tensor
 ) -> tuple[Tensor, MegatronOptState]:

@@ -301,21 +301,3 @@ def test_from_pretrained_reads_each_rank_slices_exactly(two_ranks):
     for _, loaded, _ in per_rank:
         assert loaded.keys() == want.keys()
         assert all(torch.equal(loaded[n], want[n]) for n in want)
-
-
-def _save_megatron_state(path):
-    model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, backend="megatron")
-    state = tf.init(model, megatron_optimizer(1e-3))
-    try:
-        tf.checkpoint.save(state, path)
-    except ValueError as e:
-        return str(e)
-    finally:
-        parallel.destroy()
-    return "saved"
-
-
-def test_checkpoints_of_megatron_states_are_refused_clearly(tmp_path):
-    [message] = spawn(_save_megatron_state, 1, tmp_path / "c")
-    assert "checkpoints of 'megatron' states are not supported" in message
-    assert not (tmp_path / "c").exists()
