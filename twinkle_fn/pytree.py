@@ -13,6 +13,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 PyTree = Any
@@ -98,6 +99,9 @@ def tree_global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
     dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
     norms = []
     for group in _groups(leaves):
+        if _sharded_norm_applies(group[0]):
+            norms.append(_sharded_group_norm(group, norm_type).to(device=device, dtype=dtype))
+            continue
         for n in torch._foreach_norm(group, norm_type):
             norms.append(_full(n).to(device=device, dtype=dtype))
     stacked = torch.stack(norms)
@@ -107,12 +111,40 @@ def tree_global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
 
 
 def _groups(leaves: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`leaves` split so each ``_foreach`` call sees one tensor type, device mesh, device, dtype."""
+    """`leaves` split so each ``_foreach`` call sees one tensor type, device mesh, placements,
+    device and dtype (in first-seen order, the same on every rank)."""
     groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
     for t in leaves:
-        key = (type(t), getattr(t, "device_mesh", None), t.device, t.dtype)
+        mesh, placements = getattr(t, "device_mesh", None), getattr(t, "placements", None)
+        key = (type(t), mesh, placements, t.device, t.dtype)
         groups.setdefault(key, []).append(t)
     return list(groups.values())
+
+
+def _sharded_norm_applies(t: torch.Tensor) -> bool:
+    """Whether `t`'s group can be reduced from local norms: a DTensor with no Partial placement
+    (a partial sum's norm is not the sum of the parts' norms)."""
+    return isinstance(t, DTensor) and not any(p.is_partial() for p in t.placements)
+
+
+def _sharded_group_norm(group: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of DTensors sharing one mesh and placements, with one collective per sharded
+    mesh dim: local norms are combined on each rank, then summed (max for inf) across the dims
+    the tensors are split over; replicated dims hold copies and are not summed.
+
+    One all-reduce for the whole group instead of one per tensor: the per-tensor reductions
+    took 280 ms of a 1.5B model's optimizer step on 2 H200s (benchmarks/NOTES.md).
+    """
+    local = torch._foreach_norm([t.to_local() for t in group], norm_type)
+    stacked = torch.stack(local).float() if group[0].dtype != torch.float64 else torch.stack(local)
+    inf = norm_type == float("inf")
+    total = stacked.max() if inf else stacked.pow(norm_type).sum()
+    mesh = group[0].device_mesh
+    for dim, placement in enumerate(group[0].placements):
+        if not placement.is_replicate():  # Shard, or FSDP-over-TP's _StridedShard
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=mesh.get_group(dim))
+    return total if inf else total.pow(1.0 / norm_type)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
