@@ -1,11 +1,10 @@
 """Upstream Twinkle's `MegatronModel` usage example, on a tiny local model.
 
 The example from Twinkle's docs, unchanged but for the model id and the arguments its ``...``
-left open (arithmetic chats encoded by the tokenizer's template, megatron's distributed Adam).
-Two departures, both forced by this build: no ``add_adapter_to_model`` (its megatron backend
-does not add LoRA yet, so the full model trains in the default group and no ``adapter_name``
-is passed), and ``mixed_precision='no'`` (fp32, as CPUs need). The docs' mesh is
-dp 2 x tp 2 x pp 2 (8 processes); the sizes are flags, here tp 2 over 2 gloo processes::
+left open (a LoRA adapter on every linear, arithmetic chats encoded by the tokenizer's
+template, megatron's distributed Adam). One departure, forced by CPUs: ``mixed_precision='no'``
+(fp32). The docs' mesh is dp 2 x tp 2 x pp 2 (8 processes); the sizes are flags, here tp 2
+over 2 gloo processes::
 
     python cookbook/make_tiny_model.py /tmp/tiny-qwen3
     torchrun --nproc_per_node 2 cookbook/megatron_tp.py --model /tmp/tiny-qwen3 --tp-size 2
@@ -15,6 +14,8 @@ dp 2 x tp 2 x pp 2 (8 processes); the sizes are flags, here tp 2 over 2 gloo pro
 from __future__ import annotations
 
 import argparse
+
+from peft import LoraConfig
 
 from twinkle import DeviceMesh
 from twinkle.dataloader import DataLoader
@@ -34,7 +35,7 @@ def run(
     gradient_accumulation_steps: int = 16,
     lr: float = 1e-3,
 ) -> list[float]:
-    """Train as the example does; returns the loss of every optimizer step."""
+    """Train a LoRA adapter as the example does; returns the loss of every optimizer step."""
     device_mesh = DeviceMesh.from_sizes(dp_size=dp_size, tp_size=tp_size, pp_size=pp_size)
     dataset = Dataset(DatasetMeta(data=arithmetic_dataset(num_samples)))
     dataset.set_template("Template", model_id=model_id, max_length=128)
@@ -45,7 +46,12 @@ def run(
     model = MegatronModel(
         model_id=model_id, device_mesh=device_mesh, mixed_precision="no", remote_group="actor"
     )
-    model.set_optimizer("default", lr=lr, clip_grad=1.0)
+    model.add_adapter_to_model(
+        "default",
+        LoraConfig(r=8, lora_alpha=32, target_modules="all-linear"),
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    model.set_optimizer("default", adapter_name="default", lr=lr, clip_grad=1.0)
     losses = []
     for data in dataloader:
         model.forward_backward(inputs=data)

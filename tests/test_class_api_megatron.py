@@ -1,40 +1,58 @@
 """`MegatronModel` on one process and on 2 gloo ranks (tp2, pp2): the class API trains like the
-functional API on the megatron backend, steps after exactly N forward_backward calls, and
-refuses what upstream's Megatron class refuses.
+functional API on the megatron backend, steps after exactly N forward_backward calls, saves and
+resumes across meshes, loads weights only, trains and exports a LoRA adapter, and refuses what
+upstream's Megatron class refuses.
 
 Two spawns (megatron-core takes seconds to import); the parent compares. Tolerances (float32:
 megatron's distributed optimizer has no float64 path): losses and gradient norms agree to a
-relative 1e-5 -- the same computation, ranks summing token losses in another order.
+relative 1e-5 -- the same computation, ranks summing token losses in another order. A run saved
+on tp2 and resumed on pp2 is held to the same 1e-5 against the uninterrupted one-process run.
+A weights-only load is checked in bf16 (where megatron keeps separate fp32 main parameters) against
+a model built from the same weights: the same computation, so bit-identical. The exported
+adapter in peft gives the Megatron model's logits to 1e-5 (as `twinkle_fn/megatron/lora_test.py`).
 """
 
+import runpy
+from pathlib import Path
+
 import pytest
+import torch
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 import twinkle_fn as tf
 from twinkle import DeviceMesh
 from twinkle.model import MegatronModel
 from twinkle_fn.backends.megatron import megatron_optimizer
 from twinkle_fn.data import pad_collate
+from twinkle_fn.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from twinkle_fn.megatron import parallel
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
 
 BATCH, GAS, STEPS, RTOL = 4, 2, 2, 1e-5
+RESUMED = 2  # steps after resuming from the checkpoint saved after STEPS
 LR, MIN_LR, DECAY = 1e-2, 1e-3, 4
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 MESHES = {"one": {}, "tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}}
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+COOKBOOK = Path(__file__).resolve().parent.parent / "cookbook"
+SEQ = 10
 
 
 def _micro_batches():
-    feats = random_features(BATCH * GAS * STEPS, seed=3)
+    feats = random_features(BATCH * GAS * (STEPS + RESUMED), seed=3)
     return [feats[i : i + BATCH] for i in range(0, len(feats), BATCH)]
 
 
-def _class_api(sizes, **kwargs):
-    """Upstream's example loop: forward_backward + clip_grad_and_step with accumulation.
-    Returns each step's metrics and, per call, whether it stepped."""
+def _model(sizes, source=None, **kwargs):
+    """A MegatronModel with the optimizer and schedule of every run here."""
     mesh = DeviceMesh.from_sizes(world_size=max([1, *sizes.values()]), **sizes)
     model = MegatronModel(
-        config=tiny_config(), device_mesh=mesh, mixed_precision="no", seed=0, **kwargs
+        **(source or {"config": tiny_config()}),
+        device_mesh=mesh,
+        **{"mixed_precision": "no", "seed": 0, **kwargs},
     )
     model.set_optimizer("default", lr=LR, weight_decay=0.01, clip_grad=1.0)
     model.set_lr_scheduler(
@@ -44,17 +62,46 @@ def _class_api(sizes, **kwargs):
         lr_decay_steps=DECAY,
         min_lr=MIN_LR,
     )
+    return model
+
+
+def _train(model, micros, **step_kwargs):
+    """Upstream's example loop: forward_backward + clip_grad_and_step with accumulation.
+    Returns each step's metrics and, per call, whether it stepped."""
     steps, stepped = [], []
-    for micro in _micro_batches():
+    for micro in micros:
         out = model.forward_backward(inputs=micro)
-        norm = model.clip_grad_and_step(max_grad_norm=1.0, gradient_accumulation_steps=GAS)
+        norm = model.clip_grad_and_step(max_grad_norm=1.0, **step_kwargs)
         stepped.append(norm is not None)
         if norm is not None:
             steps.append({**model.calculate_metric(), "call_loss": out["loss"]})
+    return steps, stepped
+
+
+def _error(call):
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _class_api(sizes, save_to=None, **kwargs):
+    """Trains STEPS steps; with `save_to`, saves the full checkpoint there (and tries an
+    interval that skips). Returns the metrics, stepped flags, train configs, host bytes parked,
+    the refusal of an adapter added after training and the save's return values."""
+    model = _model(sizes, **kwargs)
+    steps, stepped = _train(model, _micro_batches()[: STEPS * GAS], gradient_accumulation_steps=GAS)
     configs = model.get_train_configs()
     parked = 0 if model._parked is None else model._parked.nbytes  # held on the host now
+    late = _error(lambda: model.add_adapter_to_model("late", LORA))
+    saved = None
+    if save_to is not None:
+        full = model.save("full", output_dir=save_to, consumed_train_samples=BATCH * GAS * STEPS)
+        skipped = model.save(output_dir=save_to, interval=4)  # 2 steps: not a multiple of 4
+        saved = (full, skipped)
     parallel.destroy()
-    return steps, stepped, configs, parked
+    return steps, stepped, configs, parked, late, saved
 
 
 def _functional():
@@ -63,7 +110,7 @@ def _functional():
     lr = tf.schedules.megatron("linear", LR, MIN_LR, 0, DECAY)
     state = tf.init(model, megatron_optimizer(lr, clip_grad=1.0, weight_decay=0.01), seed=0)
     infos, micros = [], _micro_batches()
-    for s in range(STEPS):
+    for s in range(STEPS + RESUMED):
         grads = None
         for micro in micros[s * GAS : (s + 1) * GAS]:
             grads, _ = tf.fwd_bwd(state, pad_collate(micro, 0), accum=grads)
@@ -73,48 +120,214 @@ def _functional():
     return infos
 
 
+def _resumed(path):
+    """A fresh pp2 model resumed from `path` (saved on tp2), trained RESUMED more steps."""
+    model = _model(MESHES["pp2"])
+    info = model.resume_from_checkpoint(path)
+    steps, _ = _train(model, _micro_batches()[STEPS * GAS :], gradient_accumulation_steps=GAS)
+    parallel.destroy()
+    return info, steps
+
+
+def _weights_only(path):
+    """bf16 on pp2: a model of other random weights after a weights-only `load(path)`, and a
+    model built from `path`'s weights, each trained one step: (weights after the load, each
+    run's metrics and weights after the step)."""
+    runs = {}
+    for name, source in (("loaded", None), ("built", {"model_id": path})):
+        model = _model(MESHES["pp2"], source, mixed_precision="bf16", seed=1)
+        if source is None:
+            model.load(path)
+            at_load = model.get_state_dict()
+        steps, _ = _train(model, _micro_batches()[:GAS], gradient_accumulation_steps=GAS)
+        runs[name] = (steps, model.get_state_dict())
+        parallel.destroy()
+    return at_load, runs
+
+
+def _ids():
+    ids = torch.randint(1, 96, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    return ids, torch.arange(SEQ).expand(2, SEQ)
+
+
+@torch.no_grad()
+def _logits(model):
+    """The Megatron model's logits of `_ids` on one process, ``[2, SEQ, vocab]``."""
+    gpt = model.state.model.placement.module
+    gpt.eval()
+    logits = gpt(*_ids(), None)
+    gpt.train()
+    return logits[..., : model.state.model.config.vocab_size]
+
+
+def _lora(model_dir, out_dir):
+    """A LoRA adapter on the tiny model dir, trained STEPS steps (its group's accumulation
+    steps) and saved; what changed, and the logits of the trained model."""
+    model = _model({}, {"model_id": model_dir})
+    model.add_adapter_to_model("default", LORA, gradient_accumulation_steps=GAS)
+    model.set_optimizer("default", adapter_name="default", lr=LR)
+    gpt = model.state.model.placement.module
+    frozen = {n: p.detach().clone() for n, p in gpt.named_parameters() if not p.requires_grad}
+    at_init = model.get_state_dict()
+    steps, stepped = _train(model, _micro_batches()[: STEPS * GAS])
+    frozen_changed = [
+        n for n, p in gpt.named_parameters() if n in frozen and not p.equal(frozen[n])
+    ]
+    run = dict(
+        steps=steps,
+        stepped=stepped,
+        at_init=at_init,
+        trained=model.get_state_dict(adapter_name="default"),
+        frozen=len(frozen),
+        frozen_changed=frozen_changed,
+        logits=_logits(model),
+        path=model.save("adapter", output_dir=out_dir),
+        errors=[
+            _error(lambda: model.add_adapter_to_model("second", LORA)),
+            _error(lambda: model.save(output_dir=out_dir, save_optimizer=True)),
+            _error(lambda: model.load("adapter", output_dir=out_dir)),
+            _error(lambda: model.get_state_dict(adapter_name="other")),
+        ],
+    )
+    parallel.destroy()
+    return run
+
+
 OFFLOAD = dict(param_offload=True, grad_offload=True, optimizer_offload=True)
 
 
-def _one_process():
-    return _functional(), _class_api(MESHES["one"]), _class_api(MESHES["one"], **OFFLOAD)
+def _one_process(model_dir, out_dir):
+    return (
+        _functional(),
+        _class_api(MESHES["one"]),
+        _class_api(MESHES["one"], **OFFLOAD),
+        _lora(model_dir, out_dir),
+    )
 
 
-def _two_ranks():
-    return {name: _class_api(sizes) for name, sizes in MESHES.items() if sizes}
+def _two_ranks(out_dir):
+    runs = {"pp2": _class_api(MESHES["pp2"]), "tp2": _class_api(MESHES["tp2"], save_to=out_dir)}
+    path = runs["tp2"][-1][0]
+    runs["resumed"] = _resumed(path)
+    runs["weights_only"] = _weights_only(path)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def runs():
-    reference, one, offloaded = spawn(_one_process, 1, timeout_s=300)[0]
-    two = spawn(_two_ranks, 2, timeout_s=300)
-    return reference, {
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("megatron_model")
+    make = runpy.run_path(str(COOKBOOK / "make_tiny_model.py"))["make_tiny_model"]
+    model_dir = make(out_dir / "tiny", hidden_size=32)
+    reference, one, offloaded, lora = spawn(
+        _one_process, 1, str(model_dir), str(out_dir), timeout_s=300
+    )[0]
+    two = spawn(_two_ranks, 2, str(out_dir), timeout_s=300)
+    results = {
         "one": [one],
         "offload": [offloaded],
-        **{n: [r[n] for r in two] for n in two[0]},
+        **{n: [r[n] for r in two] for n in MESHES if n != "one"},
     }
+    extra = {
+        "lora": lora,
+        "model_dir": model_dir,
+        "resumed": [r["resumed"] for r in two],
+        "weights_only": [r["weights_only"] for r in two],
+    }
+    return reference, results, extra
 
 
 @pytest.mark.parametrize("mesh", [*MESHES, "offload"])
 def test_class_api_equals_functional_api(runs, mesh):
-    reference, results = runs
-    for steps, stepped, _, parked in results[mesh]:
+    reference, results, _ = runs
+    for steps, stepped, _, parked, late, _ in results[mesh]:
         assert (parked > 0) == (mesh == "offload")
         assert stepped == [False, True] * STEPS  # exactly GAS calls per step, not one late
         assert len(steps) == STEPS
-        for got, want in zip(steps, reference, strict=True):
+        for got, want in zip(steps, reference[:STEPS], strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL)
             assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
             assert got["num_tokens"] == want["num_tokens"]
+        assert "before the first forward_backward" in late
     assert [s["step"] for s in results[mesh][0][0]] == [1, 2]
 
 
 def test_train_configs_describe_the_megatron_setup(runs):
-    _, results = runs
+    _, results, _ = runs
     configs = results["tp2"][0][2]
     assert "MegatronDistributedOptimizer" in configs and "OptimizerParamScheduler" in configs
     assert "recompute_granularity" in configs
+
+
+def test_saved_on_tp2_resumes_on_pp2_like_an_uninterrupted_run(runs):
+    reference, results, extra = runs
+    full, skipped = results["tp2"][0][-1]
+    assert skipped is None and Path(full).name == "full"
+    assert tf.checkpoint.is_complete(full)
+    # Full HF weights at the top of the directory, as a plain transformers checkpoint.
+    assert AutoModelForCausalLM.from_pretrained(full).config.num_hidden_layers == 2
+    for info, steps in extra["resumed"]:
+        assert info == {
+            "cur_step": STEPS,
+            "consumed_train_samples": BATCH * GAS * STEPS,
+            "gradient_accumulation_steps": 1,  # the group's; the loop passed GAS per call
+        }
+        assert [s["step"] for s in steps] == list(range(STEPS + 1, STEPS + RESUMED + 1))
+        for got, want in zip(steps, reference[STEPS:], strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=RTOL)
+            assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)  # the schedule resumed
+
+
+def test_weights_only_load_trains_from_the_loaded_weights(runs):
+    _, results, extra = runs
+    saved = load_file(Path(results["tp2"][0][-1][0]) / "model.safetensors")
+    for at_load, by_source in extra["weights_only"]:
+        assert at_load.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(at_load[name], tensor.to(torch.bfloat16)), name
+        (loaded_steps, loaded), (built_steps, built) = by_source["loaded"], by_source["built"]
+        assert loaded_steps == built_steps
+        for name, tensor in built.items():
+            assert torch.equal(loaded[name], tensor), name
+        assert any(not torch.equal(built[n], at_load[n]) for n in built)  # the step moved them
+
+
+def test_lora_adapter_trains_alone_and_loads_in_peft(runs):
+    _, _, extra = runs
+    run = extra["lora"]
+    assert run["stepped"] == [False, True] * STEPS  # the adapter's gradient_accumulation_steps
+    assert len(run["steps"]) == STEPS and all(s["grad_norm"] > 0 for s in run["steps"])
+    # Only the adapter trains: the base weights stay bit-identical, every factor moves.
+    assert run["frozen"] > 0 and run["frozen_changed"] == []
+    assert run["trained"].keys() == run["at_init"].keys()
+    assert all(".lora_A." in k or ".lora_B." in k for k in run["trained"])
+    assert all(not torch.equal(t, run["at_init"][k]) for k, t in run["trained"].items())
+    path = Path(run["path"])
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "tokenizer_config.json"} <= set(
+        p.name for p in path.iterdir()
+    )
+    weights = load_file(path / ADAPTER_WEIGHTS)
+    assert weights.keys() == run["trained"].keys()
+    assert all(torch.equal(weights[k], t) for k, t in run["trained"].items())
+    hf = AutoModelForCausalLM.from_pretrained(extra["model_dir"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, path).eval()
+    ids, _ = _ids()
+    with torch.no_grad():
+        logits = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            base = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(logits, run["logits"], rtol=0, atol=1e-5)
+    assert (logits - base).abs().max() > 1e-3  # the adapter was applied, not skipped
+
+
+def test_lora_misuse_is_refused_after_training(runs):
+    _, _, extra = runs
+    second, save_optimizer, load, unknown = extra["lora"]["errors"]
+    assert "one LoRA adapter per model" in second
+    assert "save_optimizer=True with adapter 'default'" in save_optimizer
+    assert "loading adapters into MegatronModel is not supported yet" in load
+    assert "adapter 'other' does not exist" in unknown
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +346,8 @@ def model():
         (lambda m: m.forward(inputs=random_features(2)), "forward and backward together"),
         (lambda m: m.calculate_loss(), "forward and backward together"),
         (lambda m: m.backward(), "forward and backward together"),
-        (lambda m: m.save("ckpt"), "megatron checkpoints are not wired yet"),
-        (lambda m: m.load("ckpt"), "megatron checkpoints are not wired yet"),
+        (lambda m: m.load("no-such-dir"), "does not exist"),
+        (lambda m: m.get_state_dict(adapter_name="a"), "adapter 'a' does not exist"),
         (lambda m: m.set_optimizer("default", betas=(0.9, 0.9)), "not supported; known: lr"),
         (lambda m: m.clip_grad_and_step(max_grad_norm=0.5), "clip_grad=1.0"),
     ],
@@ -160,3 +373,22 @@ def test_unsupported_options_raise(kwargs, match):
 def test_vpp_is_refused_by_the_device_mesh():
     with pytest.raises(ValueError, match="vpp_size=2"):
         DeviceMesh.from_sizes(world_size=2, pp_size=2, vpp_size=2)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        (("a", "/tmp/adapter-dir"), {}, "not supported on MegatronModel yet"),
+        (("a", LORA), dict(is_trainable=False), "is_trainable=False is not supported"),
+        (("a", LORA), dict(gradient_accumulation_steps=-1), "positive int"),
+        (("", LORA), {}, "non-empty str"),
+        (("a", {"r": 4, "target_modules": ["q_proj"]}), {}, "fuses into one linear_qkv"),
+    ],
+)
+def test_bad_adapters_are_refused(args, kwargs, match):
+    model = MegatronModel(config=tiny_config(), mixed_precision="no")
+    with pytest.raises(ValueError, match=match):
+        model.add_adapter_to_model(*args, **kwargs)
+    model.add_adapter_to_model("a", LORA)  # nothing was half-added
+    with pytest.raises(ValueError, match="one LoRA adapter per model"):
+        model.add_adapter_to_model("b", LORA)

@@ -8,7 +8,7 @@ saved, a ``train_state/`` checkpoint next to it to resume from.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +41,14 @@ def save(
     tokenizer: Any,
     save_optimizer: bool,
     consumed_train_samples: int,
+    save_adapter: Callable[[tf.TrainState, Path], Any] = tf.lora.save_adapter,
 ) -> None:
     """Write `state` to `path`: the full model (always with its optimizer state) when group `g`
-    trains no adapter, else the adapter (its optimizer state with `save_optimizer`). The
-    training state also records the step, `consumed_train_samples` and the group's
-    accumulation steps (`resume_info`). Every rank must call it."""
+    trains no adapter, else the adapter as a peft directory written by `save_adapter` (the
+    megatron backend's is `twinkle_fn.megatron.lora.save_adapter`), with its optimizer state
+    when `save_optimizer`. The training state also records the step,
+    `consumed_train_samples` and the group's accumulation steps (`resume_info`). Every rank
+    must call it."""
     extra = {
         "cur_step": int(state.step),
         "consumed_train_samples": consumed_train_samples,
@@ -54,7 +57,7 @@ def save(
     if not g.name:
         tf.checkpoint.save(state, path, tokenizer=tokenizer, extra=extra)
         return
-    tf.lora.save_adapter(state, path)
+    save_adapter(state, path)
     if save_optimizer:
         tf.checkpoint.save(state, path / TRAIN_STATE_DIR, extra=extra)
     if tokenizer is not None and current_rank() == 0:

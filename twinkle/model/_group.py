@@ -4,8 +4,8 @@ with, how a group is looked up by adapter name, and the settings checks of the t
 
 `TransformersModel` keeps one `Group` per adapter in `Groups`, each with its own train state
 (that adapter's weights, optimizer state and step) and pending gradients; `MegatronModel` keeps
-one group (no adapters) and looks it up with `resolve`. The group's optimizer and scheduler
-become the core's transform through `optim`.
+one group (the full model, or its one adapter) and looks it up with `resolve`. The group's
+optimizer and scheduler become the core's transform through `optim`.
 """
 
 from __future__ import annotations

@@ -11,23 +11,38 @@ and scheduler are set first) and the pending `Grads` (views of megatron's DDP gr
 
 The optimizer is always megatron-core's distributed Adam (`megatron_optimizer`) and the lr
 follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstream allows.
-Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too), checkpoints and
-adapters (the core's megatron backend does not save or load, nor add LoRA, yet).
+
+- ``add_adapter_to_model`` = `twinkle_fn.megatron.lora.add_lora` before the state is built: one
+  LoRA adapter per model (the core's megatron LoRA trains one), which names the single group;
+- ``save``/``load`` = `twinkle_fn.checkpoint` (full model: megatron's dist checkpoint of model,
+  optimizer, step and RNG, loadable on another tp/pp/dp mesh, plus HF safetensors) or, with an
+  adapter, `twinkle_fn.megatron.lora.save_adapter` (a peft directory). A weights-only ``load``
+  copies the directory's HF weights into the model through the bridge and refreshes the
+  optimizer's fp32 main parameters from them.
+
+Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too); continuing an
+adapter from a peft directory, loading an adapter, and training states of adapters
+(``save_optimizer=True``): the core's megatron backend does not read adapters back nor
+dist-checkpoint LoRA states yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+from peft import LoraConfig
 from transformers import AutoConfig, PretrainedConfig
 
 import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function, settings
-from twinkle.model import _accumulate, _build, _group, _inputs, optim
+from twinkle.model import _accumulate, _build, _checkpoint, _group, _inputs, optim
 from twinkle.processor import InputProcessor
 from twinkle_fn.models.model import resolve_model_dir
 
@@ -324,18 +339,139 @@ class MegatronModel:
         g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
         g.processor = _inputs.make_processor(processor_cls, self.device_mesh, kwargs)
 
-    # Not wired in the core's megatron backend yet.
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        """Not available: raises ``ValueError`` (megatron checkpoints are not wired yet)."""
-        raise ValueError(_NO_CHECKPOINTS.format("save"))
+    # Adapters and checkpoints.
+    @remote_function(execute="all", sync=True)
+    def add_adapter_to_model(
+        self,
+        adapter_name: str,
+        config_or_dir: LoraConfig | Mapping[str, Any] | str | os.PathLike[str],
+        is_trainable: bool = True,
+        gradient_accumulation_steps: int = 1,
+    ) -> None:
+        """Train LoRA adapter `adapter_name` (a ``LoraConfig`` or a dict of its fields; see
+        `twinkle_fn.megatron.lora` for the targets) instead of the full model: the model's one
+        group takes that name and `gradient_accumulation_steps`, keeping the settings made
+        before. Call it before the first forward_backward.
 
-    def load(self, *args: Any, **kwargs: Any) -> None:
-        """Not available: raises ``ValueError`` (megatron checkpoints are not wired yet)."""
-        raise ValueError(_NO_CHECKPOINTS.format("load"))
+        Raises ``ValueError`` for a second adapter (the megatron backend trains one adapter
+        per model), a peft directory (continuing an adapter is not supported on MegatronModel
+        yet), an empty name, ``is_trainable=False``, a bad `gradient_accumulation_steps`, a
+        call after the state is built, and what `twinkle_fn.megatron.lora.add_lora` rejects.
+        """
+        if self._group.name:
+            raise ValueError(
+                f"this model already trains adapter {self._group.name!r}; the megatron backend "
+                "trains one LoRA adapter per model: build another MegatronModel for another "
+                "adapter"
+            )
+        g = _group.Groups(self._group).add(adapter_name, is_trainable, gradient_accumulation_steps)
+        if isinstance(config_or_dir, str | os.PathLike):
+            raise ValueError(
+                f"config_or_dir={os.fspath(config_or_dir)!r}: continuing an adapter from a peft "
+                "directory is not supported on MegatronModel yet; pass a LoraConfig (a new "
+                "adapter), or continue it with TransformersModel"
+            )
+        self._check_unbuilt("add_adapter_to_model")
+        self._model = _megatron_lora().add_lora(self._model, config_or_dir)
+        self._group = g
 
-    def resume_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """Not available: raises ``ValueError`` (megatron checkpoints are not wired yet)."""
-        raise ValueError(_NO_CHECKPOINTS.format("resume_from_checkpoint"))
+    @remote_function(execute="all", sync=True)
+    def save(
+        self,
+        name: str | None = None,
+        output_dir: str | os.PathLike[str] | None = None,
+        interval: int = 1,
+        save_optimizer: bool = False,
+        consumed_train_samples: int = 0,
+        adapter_name: str | None = None,
+    ) -> str | None:
+        """Save to ``output_dir/name`` (default ``output/checkpoint-step-<steps>``) when the
+        step count is a multiple of `interval`; returns the path (None when skipped).
+
+        The full model is a `twinkle_fn.checkpoint`: megatron's dist checkpoint of model,
+        optimizer (whatever `save_optimizer` says), step and RNG states, loadable on another
+        tp / pp / dp mesh, plus the HF weights, config and tokenizer at the top of the
+        directory, and `consumed_train_samples` for `resume_from_checkpoint`. An adapter is a
+        peft directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer).
+        Every rank must call it. Raises ``ValueError`` for `save_optimizer` with an adapter
+        (training states of megatron LoRA are not supported yet) and an unknown adapter.
+        """
+        g = _group.resolve(self._group, adapter_name)
+        if g.name and save_optimizer:
+            raise ValueError(
+                f"save_optimizer=True with adapter {g.name!r}: training states (dist "
+                "checkpoints) of megatron LoRA adapters are not supported yet; save the "
+                "adapter with save_optimizer=False"
+            )
+        state = self._ensure_state()
+        path = _checkpoint.save_path(state, name, output_dir, interval)
+        if path is None:
+            return None
+        tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
+        save_adapter = _megatron_lora().save_adapter
+        _checkpoint.save(
+            state, path, g, tokenizer, save_optimizer, consumed_train_samples, save_adapter
+        )
+        return str(path)
+
+    @remote_function(execute="all", sync=True)
+    def load(
+        self,
+        name: str | os.PathLike[str],
+        output_dir: str | os.PathLike[str] | None = None,
+        load_optimizer: bool = False,
+        adapter_name: str | None = None,
+    ) -> None:
+        """Load a full checkpoint `save` wrote (``output_dir/name``, or `name` itself if it is
+        a directory), saved on any mesh. With `load_optimizer`: the whole training state
+        (model, optimizer, step; RNG states on the mesh it was saved on). Without: the HF
+        weights at the top of the directory only (any HF checkpoint of this model), keeping
+        the optimizer state and step. Every rank must call it.
+
+        Raises ``ValueError`` for a model that trains an adapter (loading adapters is not
+        supported on MegatronModel yet), a missing directory, one without HF weights or (with
+        `load_optimizer`) without a complete megatron checkpoint; the bridge's errors for
+        another model's weights.
+        """
+        g = _group.resolve(self._group, adapter_name)
+        if g.name:
+            raise ValueError(
+                f"load with adapter {g.name!r}: loading adapters into MegatronModel is not "
+                "supported yet; load full-model checkpoints into a MegatronModel without one"
+            )
+        path = _checkpoint.checkpoint_dir(name, output_dir)
+        state = self._ensure_state()
+        if load_optimizer:
+            self._state = tf.checkpoint.load(state, path)
+        else:
+            _load_hf_weights(state, path)
+
+    @remote_function(execute="all", sync=True)
+    def resume_from_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        resume_only_model: bool = False,
+        adapter_name: str | None = None,
+    ) -> dict[str, int]:
+        """Restore a full `save` checkpoint (saved on any mesh): weights, and unless
+        `resume_only_model` the optimizer state, step and schedule. Returns ``cur_step``,
+        ``consumed_train_samples`` and ``gradient_accumulation_steps`` as saved (feed the
+        count to ``DataLoader.resume_from_checkpoint``). Raises as `load` does."""
+        g = _group.resolve(self._group, adapter_name)
+        path = _checkpoint.checkpoint_dir(checkpoint_dir, None)
+        self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
+        info = _checkpoint.resume_info(path, g.name)
+        g.gradient_accumulation_steps = info["gradient_accumulation_steps"]
+        return info
+
+    @remote_function(collect="first")
+    def get_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+        """Whole CPU tensors of what the model trains: every weight by HF name, or with an
+        adapter its tensors keyed as in a peft adapter file. A collective on several ranks.
+        Raises ``ValueError`` for an unknown adapter."""
+        _group.resolve(self._group, adapter_name)
+        return tf.unshard(self._ensure_state())
 
     @remote_function(execute="first")
     def get_train_configs(self, adapter_name: str | None = None) -> str:
@@ -355,10 +491,6 @@ _TOGETHER = (
     "MegatronModel.{} is not available: megatron runs forward and backward together in its "
     "pipeline schedule; call forward_backward(inputs=...) (forward_only(inputs=...) to evaluate)"
 )
-_NO_CHECKPOINTS = (
-    "MegatronModel.{} is not available: megatron checkpoints are not wired yet (the core's "
-    "megatron backend does not save or load); use TransformersModel to save and load"
-)
 
 
 def _chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
@@ -372,6 +504,25 @@ def _chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
     if isinstance(inputs, Mapping) or not isinstance(inputs, Sequence):
         raise TypeError("micro_batch_size needs inputs as a list of features / trajectories")
     return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
+
+
+def _load_hf_weights(state: tf.TrainState, path: Path) -> None:
+    """Copy the HF weights in `path` into `state`'s megatron model (this rank's slices, through
+    the bridge, as the model was loaded) and the distributed optimizer's fp32 main parameters,
+    so that the next step starts from them; the optimizer's moments and step stay."""
+    from twinkle_fn.backends.megatron_placement import _load_weights, model_placement
+
+    placement = model_placement(state.model)
+    model = dataclasses.replace(state.model, weights_dir=path)
+    _load_weights(placement.module, model, placement.mesh, placement.vocab_multiple)
+    state.opt_state.optimizer.reload_model_params()
+
+
+def _megatron_lora() -> Any:
+    """`twinkle_fn.megatron.lora`, imported on first use (megatron-core is heavy)."""
+    from twinkle_fn.megatron import lora
+
+    return lora
 
 
 def _megatron_optimizer() -> Any:
