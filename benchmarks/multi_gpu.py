@@ -5,9 +5,11 @@ megatron-core's global state and NCCL communicators of one measurement away from
 
 1. **parity reference**, one process: a few bf16 training steps of each small model alone;
 2. **parity meshes**, ``--nproc`` processes: the same steps on every mesh of ``--meshes``
-   (transformers backend: dp2, fsdp2, tp2; megatron backend: tp2, pp2, cp2, dp2 with the
-   distributed optimizer, and ep2 on a small Qwen3-MoE), each rank on its data slice of the same
-   global batches; every step's loss is compared with the reference's;
+   (default: those of ``--nproc`` ranks. Two: transformers backend dp2, fsdp2, tp2; megatron
+   backend tp2, pp2, cp2, dp2 with the distributed optimizer, and ep2 on a small Qwen3-MoE.
+   Four (issue 8): fsdp4, dp2 x fsdp2; megatron tp2 x pp2, dp2 x tp2, and ep4, ep2 x tp2 on the
+   MoE with 8 experts), each rank on its data slice of the same global batches; every step's
+   loss is compared with the reference's;
 3. **speed on one process** and 4. **speed on ``--nproc``**: tokens/s, MFU and peak memory of a
    Qwen2.5-shaped model (``--shape``, ``--seq``; ``--micro-batch`` rows per data rank), and for
    the data-parallel rows a profile of two steps that says how much of the communication kernels'
@@ -104,6 +106,18 @@ MESHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "megatron/cp2": ("megatron", "dense", {"cp": 2}, {}),
     "megatron/dp2": ("megatron", "dense", {"dp": 2}, {}),
     "megatron/ep2": ("megatron", "moe", {"dp": 2, "ep": 2}, {}),
+    # four ranks (issue 8)
+    "fsdp/fsdp4": ("fsdp", "dense", {"fsdp": 4}, {}),
+    "fsdp/dp2xfsdp2": ("fsdp", "dense", {"dp": 2, "fsdp": 2}, {}),
+    "megatron/tp2xpp2": ("megatron", "dense", {"tp": 2, "pp": 2}, {"num_micro_batches": 2}),
+    "megatron/dp2xtp2": ("megatron", "dense", {"dp": 2, "tp": 2}, {}),
+    "megatron/ep4": ("megatron", "moe", {"dp": 4, "ep": 4}, {}),
+    "megatron/ep2xtp2": (
+        "megatron",
+        "moe",
+        {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
+        {},
+    ),
 }
 # speed row -> (backend, mesh sizes); a row's process count is its mesh's size.
 SPEED_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -114,6 +128,10 @@ SPEED_ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "megatron/1gpu": ("megatron", {}),
     "megatron/dp2": ("megatron", {"dp": 2}),
     "megatron/tp2": ("megatron", {"tp": 2}),
+    "fsdp/fsdp4": ("fsdp", {"fsdp": 4}),
+    "fsdp/dp2xfsdp2": ("fsdp", {"dp": 2, "fsdp": 2}),
+    "megatron/tp2xpp2": ("megatron", {"tp": 2, "pp": 2}),
+    "megatron/dp2xtp2": ("megatron", {"dp": 2, "tp": 2}),
 }
 _PARITY_LR = 1e-3
 _GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512
@@ -122,6 +140,10 @@ _GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Launch the four worlds, print the parity and speed tables and return (and write) them."""
     args = _parser().parse_args(argv)
+    if args.meshes is None:
+        args.meshes = [m for m in MESHES if _mesh_world(m) == args.nproc]
+    if args.speed is None:
+        args.speed = [r for r in SPEED_ROWS if _row_world(r) in (1, args.nproc)]
     if args.worker:
         _worker(args)
         return {}
@@ -154,6 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _reference(mesh_name: str) -> str:
     backend, model, _, _ = MESHES[mesh_name]
     return f"ref/{backend}/{model}"
+
+
+def _mesh_world(mesh_name: str) -> int:
+    return tf.Mesh(**MESHES[mesh_name][2]).world_size
 
 
 def _row_world(row: str) -> int:
@@ -314,8 +340,9 @@ def _leave_megatron() -> None:
 
 def _parity_config(model: str, tiny: bool) -> Any:
     cfg = PARITY_MODELS[model]
-    if tiny:  # the CPU smoke test: the test suite's 2-layer model of the same family
-        return tiny_config(cfg["model_type"], vocab_size=256)
+    if tiny:  # CPU runs: the test suite's 2-layer model of the same family, 8 experts for MoE
+        extra = {"num_experts": 8} if model == "moe" else {}
+        return tiny_config(cfg["model_type"], vocab_size=256, **extra)
     return AutoConfig.for_model(**cfg)
 
 
@@ -456,8 +483,15 @@ def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the parallel runs")
-    p.add_argument("--meshes", nargs="*", default=list(MESHES), choices=list(MESHES))
-    p.add_argument("--speed", nargs="*", default=list(SPEED_ROWS), choices=list(SPEED_ROWS))
+    p.add_argument(
+        "--meshes", nargs="*", choices=list(MESHES), help="default: the meshes of --nproc ranks"
+    )
+    p.add_argument(
+        "--speed",
+        nargs="*",
+        choices=list(SPEED_ROWS),
+        help="default: the rows of one and of --nproc ranks",
+    )
     p.add_argument("--steps", type=int, default=5, help="parity steps per mesh")
     p.add_argument("--loss-rtol", type=float, default=2e-2)
     p.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES))

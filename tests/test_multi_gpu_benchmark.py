@@ -56,3 +56,14 @@ def test_two_process_run_on_cpu(tmp_path):
     assert result["speed"]["fsdp/dp2"]["global_batch"] == 4
     assert result["speed"]["fsdp/dp2"]["scaling"] > 0
     assert (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+def test_four_rank_meshes_on_cpu():
+    """Issue 8's meshes on 4 gloo ranks (fsdp4, dp2 x fsdp2; megatron tp2 x pp2, dp2 x tp2, ep4
+    and ep2 x tp2 on an 8-expert MoE) agree with one process, step for step."""
+    result = multi_gpu.main(["--nproc", "4", "--tiny", "--steps", "2", "--speed"])
+    assert set(result["parity"]) == {m for m in multi_gpu.MESHES if multi_gpu._mesh_world(m) == 4}
+    for name, row in result["parity"].items():
+        assert row["status"] == "ok", (name, row)
+        assert row["pass"] and row["max_rel"] < 1e-3, (name, row)
