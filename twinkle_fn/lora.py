@@ -29,7 +29,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +106,9 @@ def add_lora(
             f"this model already has adapter {adapter_name!r} (adapters: {names}); add another "
             "adapter under a new name"
         )
-    config = _lora_config(config)
-    _check_adapters_only(config, _head_name(module))
+    config = lora_config(config)
+    check_adapters_only(config, _UNSUPPORTED, "twinkle's LoRA")
+    _check_head(config, _head_name(module))
     try:
         with warnings.catch_warnings():
             # peft warns whenever a second adapter joins a module: that is the point here.
@@ -234,32 +235,47 @@ def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def _lora_config(config: LoraConfig | dict[str, Any]) -> LoraConfig:
-    """A private copy of `config` (peft resolves ``target_modules`` into the config it gets)."""
+def lora_config(config: LoraConfig | Mapping[str, Any]) -> LoraConfig:
+    """A private copy of `config` (peft resolves ``target_modules`` into the config it gets).
+
+    Raises ``TypeError`` for something that is neither a ``LoraConfig`` nor a mapping of its
+    fields.
+    """
     if isinstance(config, LoraConfig):
         return copy.deepcopy(config)
-    if isinstance(config, dict):
+    if isinstance(config, Mapping):
         try:
             return LoraConfig(**config)
         except TypeError as e:
-            raise TypeError(f"config dict is not LoraConfig fields ({e})") from e
+            raise TypeError(f"config mapping is not LoraConfig fields ({e})") from e
     raise TypeError(f"config must be a LoraConfig or a dict of its fields, not {type(config)}")
 
 
-def _check_adapters_only(config: LoraConfig, head: str) -> None:
-    for field, (why, off) in _UNSUPPORTED.items():
+def check_adapters_only(
+    config: LoraConfig, unsupported: Mapping[str, tuple[str, Any]], who: str
+) -> None:
+    """Refuse a `config` that would train more than low-rank adapters of untouched weights.
+
+    `unsupported`: ``LoraConfig`` field -> (what it does, its off value); `who` names the LoRA
+    implementation in the message. Raises ``ValueError`` naming the field and its off value,
+    or an initialisation that rewrites the base weights (PiSSA, OLoRA, LoftQ...).
+    """
+    for field, (why, off) in unsupported.items():
         value = getattr(config, field, off)
         if value and value != off:
             raise ValueError(
-                f"LoraConfig.{field}={value!r} {why}, which twinkle's LoRA does not support; "
+                f"LoraConfig.{field}={value!r} {why}, which {who} does not support; "
                 f"set {field}={off!r}"
             )
     if config.init_lora_weights not in _INITS:
         raise ValueError(
             f"LoraConfig.init_lora_weights={config.init_lora_weights!r} rewrites the base "
-            "weights, so the adapter would not apply to the original model; use True (B = 0) "
-            "or 'gaussian'"
+            "weights, so the adapter would not apply to the original model; use True (B = 0), "
+            "'gaussian' or False"
         )
+
+
+def _check_head(config: LoraConfig, head: str) -> None:
     # target_modules=None means peft's per-family defaults, which never include the lm_head.
     if config.target_modules is not None and check_target_module_exists(config, head):
         raise ValueError(

@@ -61,6 +61,7 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from safetensors.torch import save_file
 from torch import Tensor
 
+from twinkle_fn import lora as base_lora
 from twinkle_fn.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, _replace_dir
 from twinkle_fn.megatron.bridge import MLP, O_PROJ, QKV, Rule, join_shards, moe_layers
 from twinkle_fn.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
@@ -90,8 +91,6 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "alpha_pattern": ("gives layers their own alpha", {}),
     "layer_replication": ("duplicates layers", None),
 }
-# Initialisations that leave the base weights untouched (PiSSA, OLoRA, LoftQ... rewrite them).
-_INITS = (True, False, "gaussian")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,28 +114,8 @@ def lora_config(config: LoraConfig | Mapping[str, Any]) -> LoraConfig:
     value) or ``target_modules=None`` (peft's per-family default adapts q and v only, which
     would split megatron's fused qkv).
     """
-    if isinstance(config, LoraConfig):
-        config = copy.deepcopy(config)
-    elif isinstance(config, Mapping):
-        try:
-            config = LoraConfig(**config)
-        except TypeError as e:
-            raise TypeError(f"config mapping is not LoraConfig fields ({e})") from e
-    else:
-        raise TypeError(f"config must be a LoraConfig or a dict of its fields, not {type(config)}")
-    for field, (why, off) in _UNSUPPORTED.items():
-        value = getattr(config, field, off)
-        if value and value != off:
-            raise ValueError(
-                f"LoraConfig.{field}={value!r} {why}, which the megatron backend's LoRA does "
-                f"not support; set {field}={off!r}"
-            )
-    if config.init_lora_weights not in _INITS:
-        raise ValueError(
-            f"LoraConfig.init_lora_weights={config.init_lora_weights!r} rewrites the base "
-            "weights, so the adapter would not apply to the original model; use True (B = 0), "
-            "'gaussian' or False"
-        )
+    config = base_lora.lora_config(config)
+    base_lora.check_adapters_only(config, _UNSUPPORTED, "the megatron backend's LoRA")
     if config.target_modules is None:
         raise ValueError(
             "LoraConfig.target_modules is None (peft's per-family default); name the HF "
