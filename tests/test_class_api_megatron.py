@@ -78,6 +78,23 @@ def _train(model, micros, **step_kwargs):
     return steps, stepped
 
 
+def _four_calls():
+    """Upstream's four-call loop (clip_grad_norm, step, zero_grad, lr_step) on one process:
+    each step's metrics and gradient norm."""
+    model = _model(MESHES["one"])
+    steps = []
+    for micro in _micro_batches()[: STEPS * GAS]:
+        model.forward_backward(inputs=micro)
+        norm = model.clip_grad_norm(1.0, gradient_accumulation_steps=GAS)
+        model.step(gradient_accumulation_steps=GAS)
+        model.zero_grad(gradient_accumulation_steps=GAS)
+        model.lr_step(gradient_accumulation_steps=GAS)
+        if norm is not None:
+            steps.append({**model.calculate_metric(), "norm": norm})
+    parallel.destroy()
+    return steps
+
+
 def _error(call):
     try:
         call()
@@ -202,6 +219,7 @@ def _one_process(model_dir, out_dir):
         _class_api(MESHES["one"]),
         _class_api(MESHES["one"], **OFFLOAD),
         _lora(model_dir, out_dir),
+        _four_calls(),
     )
 
 
@@ -218,7 +236,7 @@ def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("megatron_model")
     make = runpy.run_path(str(COOKBOOK / "make_tiny_model.py"))["make_tiny_model"]
     model_dir = make(out_dir / "tiny", hidden_size=32)
-    reference, one, offloaded, lora = spawn(
+    reference, one, offloaded, lora, four_calls = spawn(
         _one_process, 1, str(model_dir), str(out_dir), timeout_s=300
     )[0]
     two = spawn(_two_ranks, 2, str(out_dir), timeout_s=300)
@@ -229,6 +247,7 @@ def runs(tmp_path_factory):
     }
     extra = {
         "lora": lora,
+        "four_calls": four_calls,
         "model_dir": model_dir,
         "resumed": [r["resumed"] for r in two],
         "weights_only": [r["weights_only"] for r in two],
@@ -250,6 +269,19 @@ def test_class_api_equals_functional_api(runs, mesh):
             assert got["num_tokens"] == want["num_tokens"]
         assert "before the first forward_backward" in late
     assert [s["step"] for s in results[mesh][0][0]] == [1, 2]
+
+
+def test_upstreams_four_call_loop_equals_clip_grad_and_step(runs):
+    """clip_grad_norm makes megatron's update (its optimizer clips inside it); step, zero_grad
+    and lr_step then find nothing pending: the same steps as the functional reference."""
+    reference, _, extra = runs
+    steps = extra["four_calls"]
+    assert len(steps) == STEPS
+    for got, want in zip(steps, reference[:STEPS], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL)
+        assert got["norm"] == pytest.approx(want["grad_norm"], rel=RTOL)
+        assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
+    assert [s["step"] for s in steps] == [1, 2]
 
 
 def test_train_configs_describe_the_megatron_setup(runs):

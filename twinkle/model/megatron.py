@@ -263,6 +263,22 @@ class MegatronModel:
         g = _group.resolve(self._group, adapter_name)
         return self._pending.due(_group.accumulation_steps(g, gradient_accumulation_steps))
 
+    def _check_clip(self, max_grad_norm: float, norm_type: float) -> None:
+        clip = self._group.optimizer.kwargs.get("clip_grad", 1.0)
+        if max_grad_norm != clip or norm_type != 2:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm}, norm_type={norm_type}: megatron's optimizer "
+                f"clips by the L2 norm to its clip_grad={clip}; set it with "
+                "set_optimizer('default', clip_grad=...)"
+            )
+
+    def _apply(self) -> float:
+        """One update from the pending gradients; parks the state if offloading is on."""
+        self._state = self._pending.apply(self._ensure_state())
+        if any(self._offload.values()):
+            self._parked, self._state = tf.offload(self._state, **self._offload), None
+        return self._pending.last_step["grad_norm"]
+
     @remote_function(dispatch="all", sync=True)
     def clip_grad_and_step(
         self,
@@ -278,19 +294,67 @@ class MegatronModel:
         Raises ``ValueError`` when `max_grad_norm` differs from the optimizer's ``clip_grad``
         (set it with ``set_optimizer(clip_grad=...)``) or `norm_type` is not 2.
         """
-        clip = self._group.optimizer.kwargs.get("clip_grad", 1.0)
-        if max_grad_norm != clip or norm_type != 2:
-            raise ValueError(
-                f"max_grad_norm={max_grad_norm}, norm_type={norm_type}: megatron's optimizer "
-                f"clips by the L2 norm to its clip_grad={clip}; set it with "
-                "set_optimizer('default', clip_grad=...)"
-            )
+        self._check_clip(max_grad_norm, norm_type)
         if not self._due(adapter_name, gradient_accumulation_steps):
             return None
-        self._state = self._pending.apply(self._ensure_state())
-        if any(self._offload.values()):
-            self._parked, self._state = tf.offload(self._state, **self._offload), None
-        return self._pending.last_step["grad_norm"]
+        return self._apply()
+
+    @remote_function(sync=True)
+    def clip_grad_norm(
+        self,
+        max_grad_norm: float = 1.0,
+        norm_type: float = 2,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+    ) -> float | None:
+        """On a step boundary: the global gradient norm before clipping; None while
+        micro-batches are still accumulating.
+
+        megatron's distributed optimizer reduces, measures and clips the gradients inside its
+        update, so this call makes the update (as `clip_grad_and_step`); the `step`,
+        `zero_grad` and `lr_step` of upstream's four-call loop then find nothing pending.
+        Raises ``ValueError`` as `clip_grad_and_step` does.
+        """
+        return self.clip_grad_and_step(
+            max_grad_norm, norm_type, adapter_name, gradient_accumulation_steps
+        )
+
+    @remote_function(sync=True)
+    def step(
+        self,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """On a step boundary with gradients pending (no `clip_grad_norm` made the update
+        yet): one update of megatron's optimizer, clipping to its ``clip_grad``. Raises
+        ``ValueError`` for options (set them with `set_optimizer`)."""
+        if kwargs:
+            raise ValueError(
+                f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
+                "to change the learning rate or weight decay"
+            )
+        if self._due(adapter_name, gradient_accumulation_steps):
+            self._apply()
+
+    @remote_function()
+    def zero_grad(
+        self,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        set_to_none: bool = True,
+    ) -> None:
+        """Nothing to do: the update consumed the pending gradients (megatron zeroes its grad
+        buffers when the next forward_backward starts)."""
+        _group.resolve(self._group, adapter_name)
+
+    @remote_function()
+    def lr_step(
+        self, adapter_name: str | None = None, gradient_accumulation_steps: int | None = None
+    ) -> None:
+        """Nothing to do: the lr follows ``OptimizerParamScheduler`` as a function of the
+        update count, so each update already moves it on."""
+        _group.resolve(self._group, adapter_name)
 
     @remote_function(collect="first")
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
