@@ -10,6 +10,8 @@ on tp2 and resumed on pp2 is held to the same 1e-5 against the uninterrupted one
 A weights-only load is checked in bf16 (where megatron keeps separate fp32 main parameters) against
 a model built from the same weights: the same computation, so bit-identical. The exported
 adapter in peft gives the Megatron model's logits to 1e-5 (as `twinkle_fn/megatron/lora_test.py`).
+Per-token log-probs equal TransformersModel's at the same initial weights to 1e-5 absolute
+(float32 rounding, observed < 1e-6).
 """
 
 import runpy
@@ -23,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import twinkle_fn as tf
 from twinkle import DeviceMesh
-from twinkle.model import MegatronModel
+from twinkle.model import MegatronModel, TransformersModel
 from twinkle_fn.backends.megatron import megatron_optimizer
 from twinkle_fn.data import pad_collate
 from twinkle_fn.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -31,7 +33,7 @@ from twinkle_fn.megatron import parallel
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
 
-BATCH, GAS, STEPS, RTOL = 4, 2, 2, 1e-5
+BATCH, GAS, STEPS, RTOL, LOGPS_ATOL = 4, 2, 2, 1e-5, 1e-5
 RESUMED = 2  # steps after resuming from the checkpoint saved after STEPS
 LR, MIN_LR, DECAY = 1e-2, 1e-3, 4
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -65,9 +67,10 @@ def _model(sizes, source=None, **kwargs):
     return model
 
 
-def _train(model, micros, **step_kwargs):
+def _train(model, micros, outs=None, **step_kwargs):
     """Upstream's example loop: forward_backward + clip_grad_and_step with accumulation.
-    Returns each step's metrics and, per call, whether it stepped."""
+    Returns each step's metrics and, per call, whether it stepped; appends each call's output
+    to `outs` if given."""
     steps, stepped = [], []
     for micro in micros:
         out = model.forward_backward(inputs=micro)
@@ -75,7 +78,19 @@ def _train(model, micros, **step_kwargs):
         stepped.append(norm is not None)
         if norm is not None:
             steps.append({**model.calculate_metric(), "call_loss": out["loss"]})
+        if outs is not None:
+            outs.append(out)
     return steps, stepped
+
+
+def _initial_logps(model):
+    """forward_only's logps of the first micro-batch, padded and packed (padding-free)."""
+    micro = _micro_batches()[0]
+    padded = model.forward_only(inputs=micro)
+    model.set_processor("InputProcessor", padding_free=True)
+    packed = model.forward_only(inputs=micro)
+    model.set_processor("InputProcessor")
+    return {"padded": padded["logps"], "packed": packed["logps"], "loss": padded["loss"]}
 
 
 def _four_calls():
@@ -106,9 +121,13 @@ def _error(call):
 def _class_api(sizes, save_to=None, **kwargs):
     """Trains STEPS steps; with `save_to`, saves the full checkpoint there (and tries an
     interval that skips). Returns the metrics, stepped flags, train configs, host bytes parked,
-    the refusal of an adapter added after training and the save's return values."""
+    the refusal of an adapter added after training, the initial log-probs (`_initial_logps`,
+    and the first forward_backward's) and the save's return values."""
     model = _model(sizes, **kwargs)
-    steps, stepped = _train(model, _micro_batches()[: STEPS * GAS], gradient_accumulation_steps=GAS)
+    logps, outs = _initial_logps(model), []
+    micros = _micro_batches()[: STEPS * GAS]
+    steps, stepped = _train(model, micros, outs, gradient_accumulation_steps=GAS)
+    logps["forward_backward"] = outs[0]["logps"]
     configs = model.get_train_configs()
     parked = 0 if model._parked is None else model._parked.nbytes  # held on the host now
     late = _error(lambda: model.add_adapter_to_model("late", LORA))
@@ -118,7 +137,7 @@ def _class_api(sizes, save_to=None, **kwargs):
         skipped = model.save(output_dir=save_to, interval=4)  # 2 steps: not a multiple of 4
         saved = (full, skipped)
     parallel.destroy()
-    return steps, stepped, configs, parked, late, saved
+    return steps, stepped, configs, parked, late, logps, saved
 
 
 def _functional():
@@ -258,7 +277,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("mesh", [*MESHES, "offload"])
 def test_class_api_equals_functional_api(runs, mesh):
     reference, results, _ = runs
-    for steps, stepped, _, parked, late, _ in results[mesh]:
+    for steps, stepped, _, parked, late, _, _ in results[mesh]:
         assert (parked > 0) == (mesh == "offload")
         assert stepped == [False, True] * STEPS  # exactly GAS calls per step, not one late
         assert len(steps) == STEPS
@@ -269,6 +288,27 @@ def test_class_api_equals_functional_api(runs, mesh):
             assert got["num_tokens"] == want["num_tokens"]
         assert "before the first forward_backward" in late
     assert [s["step"] for s in results[mesh][0][0]] == [1, 2]
+
+
+@pytest.mark.parametrize("mesh", [*MESHES, "offload"])
+def test_logps_equal_transformers_models(runs, mesh):
+    """forward_only (padded and packed) and the first forward_backward give the per-token
+    log-probs TransformersModel gives at the same initial weights, [n_seq, max_len]."""
+    _, results, _ = runs
+    want = {}
+    for padding_free in (False, True):
+        hf = TransformersModel(config=tiny_config(), mixed_precision="no", seed=0)
+        hf.set_processor("InputProcessor", padding_free=padding_free)
+        want[padding_free] = hf.forward_only(inputs=_micro_batches()[0])
+    for *_, logps, _ in results[mesh]:
+        for got, ref in (
+            (logps["padded"], want[False].logps),
+            (logps["packed"], want[True].logps),
+            (logps["forward_backward"], want[False].logps),
+        ):
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=0, atol=LOGPS_ATOL)
+        assert logps["loss"] == pytest.approx(want[False].loss, rel=RTOL)
 
 
 def test_upstreams_four_call_loop_equals_clip_grad_and_step(runs):

@@ -33,11 +33,15 @@ class Pending:
     ) -> dict[str, Any]:
         """Forward and backward on `batch`, adding its gradients (one more micro-batch unless
         `counts` is False: a later part of the same one); returns its token-mean ``loss`` and
-        ``num_tokens``."""
+        ``num_tokens``, and the ``logps`` ``[batch, seq]`` of backends whose forward yields
+        them (megatron's)."""
         self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads)
         self.micro_batches += counts
         num_tokens = int(aux["num_tokens"])
-        return {"loss": float(aux["loss_sum"]) / max(num_tokens, 1), "num_tokens": num_tokens}
+        out = {"loss": float(aux["loss_sum"]) / max(num_tokens, 1), "num_tokens": num_tokens}
+        if "logps" in aux:
+            out["logps"] = aux["logps"]
+        return out
 
     def due(self, accumulation_steps: int) -> bool:
         """Whether the pending gradients hold (at least) the micro-batches of one step."""

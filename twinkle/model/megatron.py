@@ -43,7 +43,7 @@ from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function, settings
 from twinkle.model import _accumulate, _build, _checkpoint, _group, _inputs, optim
-from twinkle.processor import InputProcessor
+from twinkle.processor import InputProcessor, unpack
 from twinkle_fn.models.model import resolve_model_dir
 
 OPTIMIZERS = ("default", "MegatronDistributedOptimizer")
@@ -225,27 +225,39 @@ class MegatronModel:
         `inputs`: feature dicts (``input_ids``, already-shifted ``labels``), chat trajectories
         or a collated batch. `micro_batch_size`: rows per megatron run (default: the whole
         list at once, split into ``num_micro_batches`` pipeline micro-batches). Returns
-        ``loss`` (token mean on this rank) and ``num_tokens``. Raises ``TypeError`` for a
-        `micro_batch_size` with a collated batch, ``ValueError`` for a non-positive one.
+        ``loss`` (token mean on this rank), ``num_tokens`` and ``logps`` (``[n_seq, max_len]``
+        per-token ``log p(label)`` of this rank's samples, 0 where the label is -100, as
+        `TransformersModel` returns them; from the training forward itself, the same on every
+        pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with a collated batch,
+        ``ValueError`` for a non-positive one.
         """
         g = _group.resolve(self._group, adapter_name)
         state = self._ensure_state()
-        loss_sum, num_tokens = 0.0, 0
+        loss_sum, num_tokens, logps = 0.0, 0, []
         for i, chunk in enumerate(_chunks(inputs, micro_batch_size)):
             batch = _inputs.encode(g, self.tokenizer_id, chunk)
             out = self._pending.add(state, batch, counts=i == 0)
             loss_sum += out["loss"] * out["num_tokens"]
             num_tokens += out["num_tokens"]
-        return ModelOutput(loss=loss_sum / max(num_tokens, 1), num_tokens=num_tokens)
+            logps.append(unpack(out["logps"], batch))
+        return ModelOutput(
+            logps=_stack_rows(logps), loss=loss_sum / max(num_tokens, 1), num_tokens=num_tokens
+        )
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
-        """An evaluation forward (no gradient): this rank's token-mean ``loss`` and
-        ``num_tokens``, the same on every pipeline stage."""
+        """An evaluation forward (no gradient): this rank's token-mean ``loss``,
+        ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
+        on every pipeline stage."""
         g = _group.resolve(self._group, adapter_name)
-        out = tf.evaluate(self._ensure_state(), _inputs.encode(g, self.tokenizer_id, inputs))
+        batch = _inputs.encode(g, self.tokenizer_id, inputs)
+        out, logps = _megatron_backend().evaluate_logps(self._ensure_state(), batch)
         num_tokens = int(out.num_tokens)
-        return ModelOutput(loss=float(out.loss_sum) / max(num_tokens, 1), num_tokens=num_tokens)
+        return ModelOutput(
+            logps=unpack(logps, batch),
+            loss=float(out.loss_sum) / max(num_tokens, 1),
+            num_tokens=num_tokens,
+        )
 
     def forward(self, **kwargs: Any) -> None:
         """Not available: raises ``TypeError`` (megatron runs forward and backward together)."""
@@ -570,6 +582,12 @@ def _chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
     return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
 
 
+def _stack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n_i, len_i]`` pieces as one ``[sum n_i, max len_i]`` tensor, zeros past each row."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+
 def _load_hf_weights(state: tf.TrainState, path: Path) -> None:
     """Copy the HF weights in `path` into `state`'s megatron model (this rank's slices, through
     the bridge, as the model was loaded) and the distributed optimizer's fp32 main parameters,
@@ -587,6 +605,13 @@ def _megatron_lora() -> Any:
     from twinkle_fn.megatron import lora
 
     return lora
+
+
+def _megatron_backend() -> Any:
+    """`twinkle_fn.backends.megatron`, imported on first use (megatron-core is heavy)."""
+    from twinkle_fn.backends import megatron
+
+    return megatron
 
 
 def _megatron_optimizer() -> Any:

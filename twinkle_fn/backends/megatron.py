@@ -60,7 +60,7 @@ from twinkle_fn.backends.megatron_placement import (
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.megatron import lora
 from twinkle_fn.megatron.bridge import mcore_to_hf
-from twinkle_fn.megatron.train import forward_backward, micro_batches
+from twinkle_fn.megatron.train import forward_backward, merge_logps, micro_batches
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 from twinkle_fn.optim import apply_updates, current_lr
@@ -72,6 +72,7 @@ __all__ = [
     "MegatronBackend",
     "MegatronOptState",
     "MegatronPlacement",
+    "evaluate_logps",
     "megatron_optimizer",
 ]
 
@@ -113,7 +114,7 @@ class MegatronBackend:
         stage. Raises ``ValueError`` as `twinkle_fn.megatron.train.micro_batches` does.
         """
         placement = model_placement(state.model)
-        loss_sum, num_tokens = forward_backward(
+        loss_sum, num_tokens, _ = forward_backward(
             placement.chunks,
             _micro_batches(placement, batch),
             placement.hf_config.vocab_size,
@@ -128,7 +129,8 @@ class MegatronBackend:
 
         Without `accum` the buffers are zeroed first; with it, `accum` must be the `Grads` that
         owns them (the latest one, donated). Returns `Grads` whose tensors are views of the
-        buffers (this rank's unreduced sums) and this call's ``loss_sum`` / ``num_tokens``.
+        buffers (this rank's unreduced sums) and this call's ``loss_sum`` / ``num_tokens`` and
+        ``logps`` (per-token ``log p(label)`` in `batch`'s layout, see `evaluate_logps`).
         Raises ``ValueError`` for a stale or copied `accum`, or a malformed batch.
         """
         placement = model_placement(state.model)
@@ -140,10 +142,10 @@ class MegatronBackend:
         else:
             params = _live(placement, accum, "fwd_bwd(accum=...)")
         mbs = _micro_batches(placement, batch)
-        loss_sum, num_tokens = forward_backward(
+        loss_sum, num_tokens, logps = forward_backward(
             placement.chunks, mbs, placement.hf_config.vocab_size
         )
-        aux = {"loss_sum": loss_sum, "num_tokens": num_tokens}
+        aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, "logps": _merged(batch, mbs, logps)}
         if accum is not None:
             loss_sum = accum.loss_sum + loss_sum
             num_tokens = accum.num_tokens + num_tokens
@@ -220,6 +222,31 @@ class MegatronBackend:
                 vocab_multiple=placement.vocab_multiple,
             )
         )
+
+
+@torch.no_grad()
+def evaluate_logps(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor]:
+    """``tf.evaluate`` of a megatron state that also returns the per-token log-probabilities.
+
+    Runs megatron's schedule without backward. Returns the token-summed loss and supervised
+    token count, and ``logps`` float32 in `batch`'s own layout (``[B, T]`` padded, ``[1, T]``
+    packed): ``log p(label)`` of each token, 0 where the label is -100, the same on every
+    pipeline stage and context-parallel rank of a data shard. A collective over the model's
+    ranks. Raises ``DonatedError`` for a donated state, ``ValueError`` as
+    `twinkle_fn.megatron.train.micro_batches` does.
+    """
+    state.check_alive()
+    placement = model_placement(state.model)
+    mbs = _micro_batches(placement, batch)
+    loss_sum, num_tokens, logps = forward_backward(
+        placement.chunks, mbs, placement.hf_config.vocab_size, forward_only=True
+    )
+    return LossOutput(loss_sum, num_tokens), _merged(batch, mbs, logps)
+
+
+def _merged(batch: Mapping[str, Tensor], mbs: list[Any], logps: list[Tensor]) -> Tensor:
+    group = parallel_state.get_context_parallel_group()
+    return merge_logps(batch, mbs, logps, cp_group=group if group.size() > 1 else None)
 
 
 def _micro_batches(placement: MegatronPlacement, batch: Mapping[str, Tensor]) -> list[Any]:

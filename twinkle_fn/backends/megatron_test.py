@@ -8,9 +8,12 @@ Tolerances (float32: megatron's distributed optimizer has no float64 path). Loss
 relative 1e-5: the ranks sum the same token losses in another order (observed <= 3e-7).
 Parameters after 3 AdamW steps agree to 2e-4 absolute, 2% of one step at lr 1e-2: Adam divides
 each gradient by its own running scale, so an element whose gradient is almost zero moves by up
-to lr on the sign of float32 rounding noise (observed <= 6e-5).
+to lr on the sign of float32 rounding noise (observed <= 6e-5). Per-token log-probabilities
+(`fwd_bwd`'s aux, `evaluate_logps`) of the initial weights agree with the HF model's
+log-softmax at the labels to 1e-5 absolute (float32 rounding of the same sums).
 """
 
+import functools
 import math
 
 import pytest
@@ -20,16 +23,18 @@ from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 import twinkle_fn as tf
-from twinkle_fn.backends.megatron import megatron_optimizer
+from twinkle_fn.backends.hf import model_inputs
+from twinkle_fn.backends.megatron import evaluate_logps, megatron_optimizer
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
+from twinkle_fn.losses import token_logps
 from twinkle_fn.megatron import parallel
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
 
 STEPS = 3
 LR = tf.schedules.megatron("linear", 1e-2, 1e-3, 0, 4)  # a new lr at every step
-LOSS_RTOL, PARAM_ATOL = 1e-5, 2e-4
+LOSS_RTOL, PARAM_ATOL, LOGPS_ATOL = 1e-5, 2e-4, 1e-5
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = {
     "qwen2": {},
@@ -77,10 +82,15 @@ def _train(name, sizes=None, options=None, layout="packed", backend="megatron", 
     first batch: ``({infos, params, eval}, state)``."""
     mesh = tf.Mesh(**(sizes or {}))
     state = tf.init(_model(name, backend, options=options, **kw), tx or _tx(backend), mesh)
+    # The initial weights' log-probs of the whole first batch, and of this rank's slice.
+    logps = {"slice": mesh.get_slice(8, rank())}
+    if backend == "megatron":
+        logps["eval"] = evaluate_logps(state, _batch(random_features(8, seed=100), layout))[1]
     infos = []
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
-        grads, _ = tf.fwd_bwd(state, _batch(feats[mesh.get_slice(len(feats), rank())], layout))
+        grads, aux = tf.fwd_bwd(state, _batch(feats[mesh.get_slice(len(feats), rank())], layout))
+        logps.setdefault("fwd_bwd", aux.get("logps"))
         state, info = tf.step(state, grads)
         infos.append({k: float("nan") if v is None else float(v) for k, v in info.items()})
     evaluated = tf.evaluate(state, _batch(random_features(8, seed=100), layout))
@@ -88,6 +98,7 @@ def _train(name, sizes=None, options=None, layout="packed", backend="megatron", 
         infos=infos,
         params=_hf_names(tf.unshard(state), name),
         eval=(float(evaluated.loss_sum), int(evaluated.num_tokens)),
+        logps=logps,
     )
     if backend == "megatron":
         parallel.destroy()
@@ -157,6 +168,7 @@ def _one_process():
         for backend in ("fsdp", "megatron"):
             refs[name, backend] = _train(name, backend=backend)[0]
     checks = dict(
+        padded_micro=_train("qwen2", options={"num_micro_batches": 2}, layout="padded")[0],
         accumulation=_accumulation(),
         misuse=_misuse(),
         precisions=_precisions(),
@@ -197,6 +209,28 @@ def two_ranks(tmp_path_factory):
     return weights_dir, spawn(_two_ranks, 2, weights_dir, timeout_s=300)
 
 
+@functools.cache
+def _hf_logps(name, layout, start=0, stop=8):
+    """The HF model's log-softmax at the labels, at the seed-0 initialisation both backends
+    load, of features ``start:stop`` of the first batch in `layout`."""
+    module = _model(name, "fsdp").module.eval()
+    batch = _batch(random_features(8, seed=100)[start:stop], layout)
+    with torch.no_grad():
+        logits = module(**model_inputs(batch, torch.device("cpu")), use_cache=False).logits
+    return token_logps(logits, batch["labels"])
+
+
+def _assert_logps(run, name, layout):
+    """`run`'s log-probs (in the batch's own layout) equal the HF model's at the same weights."""
+    logps, part = run["logps"], run["logps"]["slice"]
+    want = _hf_logps(name, layout)
+    assert logps["eval"].shape == want.shape
+    torch.testing.assert_close(logps["eval"], want, rtol=0, atol=LOGPS_ATOL)
+    torch.testing.assert_close(
+        logps["fwd_bwd"], _hf_logps(name, layout, part.start, part.stop), rtol=0, atol=LOGPS_ATOL
+    )
+
+
 def _assert_same_losses(got, want, rtol=LOSS_RTOL):
     for info, ref in zip(got["infos"], want["infos"], strict=True):
         assert info["loss"] == pytest.approx(ref["loss"], rel=rtol)
@@ -227,10 +261,18 @@ def test_one_process_matches_the_transformers_backend(one_process, name):
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_mesh_matches_one_process_and_the_transformers_backend(one_process, two_ranks, mesh):
     refs, _ = one_process
-    model = MESHES[mesh][0]
+    model, _, _, layout = MESHES[mesh]
     for results, _, _ in two_ranks[1]:  # every rank reports the same loss, norm and weights
         _assert_same_run(results[mesh], refs[model, "megatron"])
         _assert_same_run(results[mesh], refs[model, "fsdp"])
+        _assert_logps(results[mesh], model, layout)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logps_equal_the_hf_models_log_softmax(one_process, name):
+    """Packed batches (one micro-batch) and padded ones (two) on one process."""
+    _assert_logps(one_process[0][name, "megatron"], name, "packed")
+    _assert_logps(one_process[1]["padded_micro"], "qwen2", "padded")
 
 
 def test_accumulated_calls_and_micro_batches_equal_one_batch(one_process):

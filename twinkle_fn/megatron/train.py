@@ -11,7 +11,8 @@
   gathered.
 - `forward_backward` runs megatron-core's schedule (1F1B when pp > 1) over the micro-batches and
   returns the token-summed loss and the supervised-token count of this data rank, the same on
-  every pipeline stage and context-parallel rank.
+  every pipeline stage and context-parallel rank, and each micro-batch's per-token
+  log-probabilities of the labels; `merge_logps` puts those back into the batch's layout.
 
 megatron-core's rotary embedding derives positions from the layout (``arange`` per row, or per
 packed sample from ``cu_seqlens``), so batches must be right-padded or packed; `micro_batches`
@@ -36,7 +37,12 @@ from torch import Tensor
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.microbatch import split_batch, split_features
-from twinkle_fn.megatron.context_parallel import sequence_multiple, split_packed, split_sequence
+from twinkle_fn.megatron.context_parallel import (
+    _global_order,
+    sequence_multiple,
+    split_packed,
+    split_sequence,
+)
 
 PAD_TOKEN_ID = 0  # fills positions added to reach a sequence multiple; their labels are ignored
 
@@ -261,11 +267,17 @@ def token_losses(
 
 
 def _loss_sum(labels: Tensor, losses: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """megatron's loss_func contract with ``calculate_per_token_loss``: (sum, count, report)."""
+    """megatron's loss_func contract with ``calculate_per_token_loss``: (sum, count, report).
+
+    The report also holds the micro-batch's ``logps`` ``[b, s]``: ``-losses`` (the label's
+    log-probability) where supervised, 0 elsewhere.
+    """
     supervised = labels != IGNORE_INDEX
-    loss_sum = torch.where(supervised, losses, 0.0).sum()
+    masked = torch.where(supervised, losses, 0.0)
+    loss_sum = masked.sum()
     num_tokens = supervised.sum()
-    return loss_sum, num_tokens, {"loss_sum": loss_sum.detach(), "num_tokens": num_tokens}
+    report = {"loss_sum": loss_sum.detach(), "num_tokens": num_tokens, "logps": -masked.detach()}
+    return loss_sum, num_tokens, report
 
 
 def forward_backward(
@@ -274,8 +286,8 @@ def forward_backward(
     vocab_size: int,
     *,
     forward_only: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Run megatron-core's schedule over `batches`; ``(loss_sum, num_tokens)`` of all of them.
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Run megatron-core's schedule over `batches`; ``(loss_sum, num_tokens, logps)``.
 
     `chunks` are this rank's model chunks (one: virtual pipelining is refused), wrapped by
     megatron's DDP; their config must have ``calculate_per_token_loss`` (the schedule then
@@ -283,8 +295,11 @@ def forward_backward(
     this rank's local sums, in the DDP grad buffers, until the caller reduces them). Returns a
     0-d float32 loss sum and a 0-d int64 count, broadcast from the last pipeline stage and
     summed over the context-parallel ranks (each saw its chunks of the same sequences), so that
-    every rank of a data shard returns the same values. Raises ``ValueError`` when the config would normalise
-    or reduce the gradients itself, or `batches` is empty.
+    every rank of a data shard returns the same values. ``logps`` holds each micro-batch's
+    per-token ``log p(label)`` (float32, 0 where the label is ignored), broadcast from the last
+    stage: ``[b, s]`` in the micro-batch's own layout, this context-parallel rank's chunks
+    (`merge_logps` puts them back into the batch's layout). Raises ``ValueError`` when the
+    config would normalise or reduce the gradients itself, or `batches` is empty.
     """
     config = get_model_config(chunks[0])
     if not config.calculate_per_token_loss or config.finalize_model_grads_func is not None:
@@ -319,17 +334,81 @@ def forward_backward(
         forward_only=forward_only,
     )
     device = batches[0].labels.device
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for report in reports:
-        totals[0] += report["loss_sum"].double()
-        totals[1] += report["num_tokens"].double()
+    sizes = [mb.labels.numel() for mb in batches]
+    # One buffer: [loss_sum, num_tokens, every micro-batch's logps], so one broadcast.
+    flat = torch.zeros(2 + sum(sizes), dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        flat[0] = sum(r["loss_sum"].double() for r in reports)
+        flat[1] = sum(r["num_tokens"].double() for r in reports)
+        flat[2:] = torch.cat([r["logps"].reshape(-1).double() for r in reports])
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(
-            totals,
+            flat,
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
+    totals = flat[:2]
     if cp_size > 1:
         # Each context-parallel rank saw its chunks of the same sequences.
         dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
-    return totals[0].float(), totals[1].long()
+    parts = flat[2:].float().split(sizes)
+    logps = [p.view_as(mb.labels) for p, mb in zip(parts, batches, strict=True)]
+    return totals[0].float(), totals[1].long(), logps
+
+
+def merge_logps(
+    batch: Mapping[str, Any],
+    batches: Sequence[MicroBatch],
+    logps: Sequence[Tensor],
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """`forward_backward`'s per-micro-batch `logps` as one tensor in `batch`'s own layout.
+
+    `batches` are the micro-batches `micro_batches` made of `batch`, `logps` their ``[b, s]``
+    values (this context-parallel rank's chunks when `cp_group` has several ranks: they are
+    all-gathered over it and put back into sequence order). Rows are concatenated back in
+    order and the padding `micro_batches` added (to sequence multiples, per packed sample) is
+    dropped: returns ``[B, T]`` for a padded batch, ``[1, T]`` for a packed one, on the
+    device of `logps`. Every rank of `cp_group` must call it.
+    """
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    bounds = [
+        [0, mb.labels.shape[1] * cp_size]
+        if mb.packed is None
+        else [int(b) for b in mb.packed.cu_seqlens_q.tolist()]
+        for mb in batches
+    ]
+    if cp_size > 1:
+        logps = _gather_cp(logps, bounds, cp_group)
+    ids = batch["input_ids"]
+    if "cu_seqlens" not in batch:
+        return torch.cat(list(logps))[:, : ids.shape[1]]
+    # Each sample starts a span padded to a multiple of 2 * cp (see `_packed`).
+    unit = 2 * cp_size if cp_size > 1 else 1
+    lengths = [b - a for a, b in itertools.pairwise(_bounds(batch["cu_seqlens"], ids.shape[1]))]
+    pieces = []
+    for group, row in zip(split_features(lengths, len(batches)), logps, strict=True):
+        start = 0
+        for n in group:
+            pieces.append(row[:, start : start + n])
+            start += -(-n // unit) * unit
+    return torch.cat(pieces, 1)
+
+
+def _gather_cp(
+    logps: Sequence[Tensor], bounds: Sequence[Sequence[int]], group: dist.ProcessGroup
+) -> list[Tensor]:
+    """Every context-parallel rank's chunks of each micro-batch's ``[b, s / cp]`` `logps`,
+    all-gathered in one call and put back into sequence order: ``[b, s]`` each."""
+    cp_size = dist.get_world_size(group)
+    local = torch.cat([lp.t().reshape(-1) for lp in logps])  # [s / cp, b] each, flattened
+    gathered = [torch.empty_like(local) for _ in range(cp_size)]
+    dist.all_gather(gathered, local, group=group)
+    sizes = [lp.numel() for lp in logps]
+    per_rank = [g.split(sizes) for g in gathered]
+    out = []
+    for i, (lp, cu) in enumerate(zip(logps, bounds, strict=True)):
+        rows = torch.cat([parts[i].view(lp.shape[1], lp.shape[0]) for parts in per_rank])
+        out.append(_global_order(rows, cu, cp_size).t())
+    return out

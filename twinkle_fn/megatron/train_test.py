@@ -1,4 +1,4 @@
-"""Micro-batches from twinkle batches, and the loss with the padded vocabulary masked.
+"""Micro-batches from twinkle batches (and their per-token values back: `merge_logps`), and the loss with the padded vocabulary masked.
 
 The schedule itself (`forward_backward`) is checked end to end by the megatron backend's parity
 tests (`twinkle_fn/backends/megatron_test.py`).
@@ -11,7 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_fn.data import pack, pad_collate
-from twinkle_fn.megatron.train import mask_padded_vocab_, micro_batches, token_losses
+from twinkle_fn.megatron.train import (
+    mask_padded_vocab_,
+    merge_logps,
+    micro_batches,
+    token_losses,
+)
 from twinkle_fn.testing import random_features
 
 FEATS = random_features(5, seed=11)
@@ -44,6 +49,17 @@ def test_padded_batches_split_by_row_and_pad_columns():
     assert torch.equal(torch.cat([mb.labels[:, :width] for mb in mbs]), batch["labels"])
     assert all((mb.labels[:, width:] == -100).all() for mb in mbs)
     assert all(mb.packed is None for mb in mbs)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize(("n", "multiple"), [(1, 1), (2, 3), (3, 4)])
+def test_merge_logps_puts_micro_batch_values_back_into_the_batch_layout(layout, n, multiple):
+    """Per-token values of the micro-batches (their labels here) come back in the batch's own
+    layout, the padding `micro_batches` added dropped."""
+    batch = pack(FEATS) if layout == "packed" else pad_collate(FEATS, pad_token_id=0)
+    mbs = micro_batches(batch, n, seq_multiple=multiple)
+    merged = merge_logps(batch, mbs, [mb.labels.float() for mb in mbs])
+    assert torch.equal(merged, batch["labels"].float())
 
 
 def test_context_parallel_ranks_get_their_zigzag_chunks_of_padded_rows():
