@@ -34,8 +34,10 @@ def run(
     batch_size: int = 8,
     gradient_accumulation_steps: int = 16,
     lr: float = 1e-3,
-) -> list[float]:
-    """Train a LoRA adapter as the example does; returns the loss of every optimizer step."""
+    return_model: bool = False,
+) -> list[float] | tuple[list[float], MegatronModel]:
+    """Train a LoRA adapter as the example does; returns the loss of every optimizer step, and
+    with `return_model` the trained model too (to save or evaluate it)."""
     device_mesh = DeviceMesh.from_sizes(dp_size=dp_size, tp_size=tp_size, pp_size=pp_size)
     dataset = Dataset(DatasetMeta(data=arithmetic_dataset(num_samples)))
     dataset.set_template("Template", model_id=model_id, max_length=128)
@@ -60,7 +62,7 @@ def run(
         )
         if grad_norm is not None:
             losses.append(model.calculate_metric(is_training=True)["loss"])
-    return losses
+    return (losses, model) if return_model else losses
 
 
 def main() -> None:

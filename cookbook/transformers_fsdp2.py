@@ -31,16 +31,26 @@ def run(
     batch_size: int = 8,
     gradient_accumulation_steps: int = 16,
     lr: float = 1e-3,
-) -> list[float]:
-    """Train as the example does; returns the loss of every optimizer step."""
+    mixed_precision: str = "bf16",
+    return_model: bool = False,
+) -> list[float] | tuple[list[float], TransformersModel]:
+    """Train as the example does; returns the loss of every optimizer step, and with
+    `return_model` the trained model too (to save or evaluate it). `mixed_precision`: the
+    model's (the example leaves upstream's default, bf16; ``'no'`` for float32)."""
     device_mesh = DeviceMesh.from_sizes(dp_size=dp_size, fsdp_size=fsdp_size)
     dataset = Dataset(DatasetMeta(data=arithmetic_dataset(num_samples)))
     dataset.set_template("Template", model_id=model_id, max_length=128)
     dataset.encode()
     dataloader = DataLoader(dataset, batch_size=batch_size, device_mesh=device_mesh)
 
-    # The docs' example: only model_id changed, and the `...` filled in.
-    model = TransformersModel(model_id=model_id, device_mesh=device_mesh, remote_group="actor")
+    # The docs' example: only model_id changed, mixed_precision a flag (default upstream's bf16),
+    # and the `...` filled in.
+    model = TransformersModel(
+        model_id=model_id,
+        device_mesh=device_mesh,
+        mixed_precision=mixed_precision,
+        remote_group="actor",
+    )
     model.add_adapter_to_model(
         "default", LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
     )
@@ -55,7 +65,7 @@ def run(
         )
         if grad_norm is not None:
             losses.append(model.calculate_metric(is_training=True)["loss"])
-    return losses
+    return (losses, model) if return_model else losses
 
 
 def main() -> None:
