@@ -79,7 +79,7 @@ def save(
             manifest = {"format": FORMAT, "step": int(state.step), "extra": extra}
             manifest.update(sharded=sharded, backend=state.model.backend)
             _write_json(tmp / MANIFEST, manifest)
-            _replace_dir(tmp, path)
+            replace_dir(tmp, path)
         _barrier()
     except BaseException:
         if writer:
@@ -245,8 +245,9 @@ def _write_json(file: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished `src` to `dst`, replacing an older checkpoint only after the move."""
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished directory `src` to `dst`, replacing an older one only after the move
+    (so a reader never finds `dst` half-written)."""
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"

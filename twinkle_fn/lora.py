@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from twinkle_fn.backends import fsdp
+from twinkle_fn.checkpoint import replace_dir
 from twinkle_fn.distributed import rank, world_size
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
@@ -216,14 +217,29 @@ def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:
     Raises ``ValueError`` as `adapter_state_dict`, and ``RuntimeError`` on every rank when
     rank 0 fails to write (its error is in the message).
     """
-    path = Path(path)
-    weights = adapter_state_dict(state)
     module = state.model.module
     config = module.peft_config[_adapter_of_state(state)]
+    return write_adapter(config, module.config, adapter_state_dict(state), path)
+
+
+def write_adapter(
+    config: LoraConfig,
+    hf_config: Any,
+    weights: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+) -> Path:
+    """Write a peft adapter directory at `path` from rank 0: `config` as peft records it (task
+    ``CAUSAL_LM``, base model from `hf_config`) and `weights` (peft file keys); returns the path.
+
+    Every rank must call it. Rank 0 writes a temporary sibling and renames it into place,
+    replacing an older directory only once the new one is complete. Raises ``RuntimeError`` on
+    every rank when rank 0 fails to write (its error is in the message).
+    """
+    path = Path(path)
     error = None
     if rank() == 0:
         try:
-            _write_adapter(config, module, weights, path)
+            _write_adapter(config, hf_config, weights, path)
         except Exception as e:  # reported to every rank below, so none waits forever
             error = f"{type(e).__name__}: {e}"
     if world_size() > 1:
@@ -291,16 +307,14 @@ def _head_name(module: torch.nn.Module) -> str:
 
 
 def _write_adapter(
-    config: LoraConfig, module: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path
+    config: LoraConfig, hf_config: Any, weights: Mapping[str, torch.Tensor], path: Path
 ) -> None:
-    """Write the adapter files (`config`, `weights`) into a temporary sibling of `path`, then
-    move it into place."""
     config = copy.deepcopy(config)
     # What PeftModel.save_pretrained records, so from_pretrained builds a PeftModelForCausalLM.
     config.task_type = config.task_type or "CAUSAL_LM"
     config.inference_mode = True
     config.base_model_name_or_path = config.base_model_name_or_path or (
-        getattr(module.config, "_name_or_path", None) or None
+        getattr(hf_config, "_name_or_path", None) or None
     )
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
@@ -308,17 +322,7 @@ def _write_adapter(
         config.save_pretrained(tmp)
         cpu = {k: v.detach().cpu() for k, v in weights.items()}
         save_file(cpu, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        _replace_dir(tmp, path)
+        replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

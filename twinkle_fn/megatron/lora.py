@@ -37,12 +37,9 @@ Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
-import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,11 +55,10 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.module import MegatronModule
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
-from safetensors.torch import save_file
 from torch import Tensor
 
 from twinkle_fn import lora as base_lora
-from twinkle_fn.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, _replace_dir
+from twinkle_fn.lora import PEFT_PREFIX
 from twinkle_fn.megatron.bridge import MLP, O_PROJ, QKV, Rule, join_shards, moe_layers
 from twinkle_fn.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
 from twinkle_fn.models.model import Model
@@ -458,36 +454,6 @@ def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:
     state without a megatron LoRA adapter, and ``RuntimeError`` on every rank when rank 0
     fails to write (its error in the message).
     """
-    path = Path(path)
-    weights = adapter_state_dict(state)
     placement = _placement(state)
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            _write(placement.lora.config, placement.hf_config, weights, path)
-        except Exception as e:  # reported to every rank below, so none waits forever
-            error = f"{type(e).__name__}: {e}"
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise RuntimeError(f"rank 0 could not write the adapter to {path}: {box[0]}")
-    return path
-
-
-def _write(config: LoraConfig, hf_config: Any, weights: Mapping[str, Tensor], path: Path) -> None:
-    config = copy.deepcopy(config)
-    # What PeftModel.save_pretrained records, so from_pretrained builds a PeftModelForCausalLM.
-    config.task_type = config.task_type or "CAUSAL_LM"
-    config.inference_mode = True
-    config.base_model_name_or_path = config.base_model_name_or_path or (
-        getattr(hf_config, "_name_or_path", None) or None
-    )
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        config.save_pretrained(tmp)
-        save_file(dict(weights), tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    config, hf_config = placement.lora.config, placement.hf_config
+    return base_lora.write_adapter(config, hf_config, adapter_state_dict(state), path)
