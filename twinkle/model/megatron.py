@@ -28,10 +28,8 @@ dist-checkpoint LoRA states yet.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -520,7 +518,7 @@ class MegatronModel:
         if load_optimizer:
             self._state = tf.checkpoint.load(state, path)
         else:
-            _load_hf_weights(state, path)
+            _megatron_dist_checkpoint().load_weights(state, path)
 
     @remote_function(execute="all", sync=True)
     def resume_from_checkpoint(
@@ -588,16 +586,11 @@ def _stack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
-def _load_hf_weights(state: tf.TrainState, path: Path) -> None:
-    """Copy the HF weights in `path` into `state`'s megatron model (this rank's slices, through
-    the bridge, as the model was loaded) and the distributed optimizer's fp32 main parameters,
-    so that the next step starts from them; the optimizer's moments and step stay."""
-    from twinkle_fn.backends.megatron_placement import _load_weights, model_placement
+def _megatron_dist_checkpoint() -> Any:
+    """`twinkle_fn.megatron.dist_checkpoint`, imported on first use (megatron-core is heavy)."""
+    from twinkle_fn.megatron import dist_checkpoint
 
-    placement = model_placement(state.model)
-    model = dataclasses.replace(state.model, weights_dir=path)
-    _load_weights(placement.module, model, placement.mesh, placement.vocab_multiple)
-    state.opt_state.optimizer.reload_model_params()
+    return dist_checkpoint
 
 
 def _megatron_lora() -> Any:

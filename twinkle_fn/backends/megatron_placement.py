@@ -107,7 +107,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         fp16=dtype == torch.float16,
         **overrides,
     )
-    _load_weights(gpt, model, mesh, vocab_multiple)
+    load_hf_weights(gpt, model, mesh, vocab_multiple)
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
@@ -191,7 +191,7 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
         )
 
 
-def _load_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
+def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
     """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
     the model has a ``weights_dir``, else from its module, in HF checkpoint names)."""
     rank = dist.get_rank()

@@ -122,7 +122,7 @@ def split_packed(
     return torch.cat([t.narrow(dim, p.start, p.length) for p in pieces], dim=dim)
 
 
-def _global_order(gathered: Tensor, bounds: Sequence[int], cp_size: int) -> Tensor:
+def global_order(gathered: Tensor, bounds: Sequence[int], cp_size: int) -> Tensor:
     """Gathered ``[cp * local, ...]`` (rank after rank) -> ``[global, ...]`` in sequence order."""
     local = gathered.shape[0] // cp_size
     source = torch.empty(gathered.shape[0], dtype=torch.long)
@@ -160,7 +160,7 @@ def context_parallel_attention(
     bounds = [0, total] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
     _check_bounds(bounds, total, cp_size)
     keys, values = (
-        _global_order(gather_from_sequence_parallel_region(t, group=group), bounds, cp_size)
+        global_order(gather_from_sequence_parallel_region(t, group=group), bounds, cp_size)
         for t in (key, value)
     )
     outs = []

@@ -13,7 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from twinkle_fn.megatron.context_parallel import (
-    _global_order,
+    global_order,
     sequence_multiple,
     split_packed,
     split_sequence,
@@ -39,7 +39,7 @@ def test_gathered_chunks_go_back_to_sequence_order(cp):
     bounds = [0, 6 * cp, 6 * cp, 10 * cp]  # an empty sample too
     seq = torch.arange(bounds[-1])
     gathered = torch.cat([split_packed(seq, bounds, cp, r, dim=0) for r in range(cp)])
-    assert torch.equal(_global_order(gathered, bounds, cp), seq)
+    assert torch.equal(global_order(gathered, bounds, cp), seq)
 
 
 def test_sequence_multiple_fits_2cp_chunks_and_the_local_multiple():

@@ -57,7 +57,11 @@ from torch import Tensor
 
 from twinkle_fn.backends.megatron import MegatronBackend
 from twinkle_fn.backends.megatron_optimizer import MegatronOptState, refresh_slots
-from twinkle_fn.backends.megatron_placement import MegatronPlacement, model_placement
+from twinkle_fn.backends.megatron_placement import (
+    MegatronPlacement,
+    load_hf_weights,
+    model_placement,
+)
 from twinkle_fn.megatron.safetensors_io import save_hf
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.state import TrainState
@@ -149,6 +153,17 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
         step=torch.tensor(meta["step"], dtype=torch.int64),
         rng=torch.tensor(meta["rng"], dtype=torch.int64),
     )
+
+
+def load_weights(state: TrainState, directory: str | Path) -> None:
+    """Copy the HF weights in `directory` into `state`'s megatron model, in place (this rank's
+    slices, through the bridge, as a model is loaded), and refresh the distributed optimizer's
+    fp32 main parameters from them, so that the next step starts from the loaded weights; the
+    optimizer's moments and step stay."""
+    placement = model_placement(state.model)
+    model = dataclasses.replace(state.model, weights_dir=Path(directory))
+    load_hf_weights(placement.module, model, placement.mesh, placement.vocab_multiple)
+    state.opt_state.optimizer.reload_model_params()
 
 
 def _checked(state: TrainState) -> tuple[MegatronPlacement, MegatronOptState]:

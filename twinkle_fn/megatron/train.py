@@ -38,7 +38,7 @@ from torch import Tensor
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.microbatch import split_batch, split_features
 from twinkle_fn.megatron.context_parallel import (
-    _global_order,
+    global_order,
     sequence_multiple,
     split_packed,
     split_sequence,
@@ -410,5 +410,5 @@ def _gather_cp(
     out = []
     for i, (lp, cu) in enumerate(zip(logps, bounds, strict=True)):
         rows = torch.cat([parts[i].view(lp.shape[1], lp.shape[0]) for parts in per_rank])
-        out.append(_global_order(rows, cu, cp_size).t())
+        out.append(global_order(rows, cu, cp_size).t())
     return out
