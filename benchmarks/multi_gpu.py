@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import json
 import os
 import subprocess
@@ -47,6 +46,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 import twinkle_fn as tf
+from benchmarks.profile_summary import format_summary, profile_steps
 from benchmarks.throughput import (
     MFU_FORMULA,
     SHAPES,
@@ -262,7 +262,7 @@ def _speed_table(rows: list[str], got: dict[str, Any]) -> dict[str, Any]:
     print(f"\nspeed ({MFU_FORMULA}, peak per GPU x GPUs)")
     print(
         f"{'row':<15} {'gpus':>4} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'x 1gpu':>7} "
-        f"{'comm ms':>8} {'overlapped':>10}"
+        f"{'comm ms':>8} {'overlapped':>10} {'exposed ms':>10} {'busy':>6}"
     )
     table = {}
     for name in rows:
@@ -279,8 +279,11 @@ def _speed_table(rows: list[str], got: dict[str, Any]) -> dict[str, Any]:
             f"{name:<15} {row['gpus']:>4} {row['tokens_per_s']:>10,.0f} "
             f"{_pct(row.get('mfu')):>6} {_num(row.get('peak_mem_gib'), '.1f'):>9} "
             f"{_num(scale, '.2f'):>7} {_num(overlap.get('comm_ms'), '.1f'):>8} "
-            f"{_pct(overlap.get('overlapped')):>10}"
+            f"{_pct(overlap.get('overlapped')):>10} {_num(overlap.get('exposed_comm_ms'), '.1f'):>10} "
+            f"{_pct(overlap.get('busy')):>6}"
         )
+        if overlap:
+            print(f"  {format_summary(overlap)}")
     return table
 
 
@@ -424,8 +427,8 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
         "first_loss": first,
         "last_loss": last,
     }
-    if mesh.data_world_size > 1 and device.type == "cuda":
-        row["overlap"] = _overlap(step)
+    if device.type == "cuda":
+        row["overlap"] = profile_steps(step)
     return row
 
 
@@ -433,51 +436,6 @@ def _max_over_ranks(x: float) -> float:
     t = torch.tensor([x], device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
-
-
-def _overlap(step: Any) -> dict[str, float]:
-    """Profile two steps; of the time some NCCL kernel ran, the share a compute kernel also ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp, "trace.json.gz")
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
-    compute = _union(
-        [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
-    )
-    comm_us = sum(b - a for a, b in comm)
-    both_us = _intersection(comm, compute)
-    return {"comm_ms": comm_us / 2e3, "overlapped": both_us / comm_us if comm_us else 0.0}
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def _intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
-    """Total length of the overlap of two sorted, disjoint span lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(xs) and j < len(ys):
-        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        total += max(0.0, hi - lo)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _parser() -> argparse.ArgumentParser:

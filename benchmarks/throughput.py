@@ -48,6 +48,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import twinkle_fn as tf
+from benchmarks.profile_summary import format_summary, profile_steps
 from twinkle_fn import backends
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.mesh import Mesh
@@ -114,6 +115,7 @@ class Setup:
     input_ids: torch.Tensor  # [batch, seq] random tokens on the device
     device: torch.device
     compile_scope: str
+    profile: bool = False  # also profile two steps per row (`benchmarks.profile_summary`)
 
 
 Step = Callable[[], torch.Tensor]  # one training step; returns its mean loss (a device tensor)
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = qwen25_config(args.shape)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
-    setup = Setup(config, ids.to(device), device, args.compile)
+    setup = Setup(config, ids.to(device), device, args.compile, args.profile)
     result = _header(args, config, device)
     _print_header(result)
     for name in args.rows:
@@ -242,6 +244,7 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
     with _ROW_BUILDERS[name](setup) as step:
         seconds, first_loss, last_loss = time_steps(step, warmup, steps, setup.device)
         peak_gib = _peak_gib(setup.device)
+        profile = profile_steps(step) if setup.profile and setup.device.type == "cuda" else None
     batch, seq = setup.input_ids.shape
     return {
         "status": "ok",
@@ -251,6 +254,7 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
         "first_loss": first_loss,
         "last_loss": last_loss,
         "leftover_gib": leftover_gib,
+        "profile": profile,
     }
 
 
@@ -594,6 +598,8 @@ def _print_row(name: str, row: dict[str, Any]) -> None:
             f"loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}",
             flush=True,
         )
+        if row.get("profile"):
+            print(f"  {format_summary(row['profile'])}", flush=True)
     else:
         print(f"{name}: {row['status']}: {row.get('error') or row.get('reason')}", flush=True)
 
@@ -641,6 +647,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--peak-flops", type=float, default=None, help="default: 989e12 on H100/H200")
     p.add_argument("--json", default="throughput.json")
+    p.add_argument("--profile", action="store_true", help="profile two steps per row (GPU)")
     return p
 
 

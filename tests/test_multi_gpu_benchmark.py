@@ -2,29 +2,12 @@
 
 The GPU figures come from the device (benchmarks/RESULTS.md); here the tiny models run two
 parity meshes and two speed rows so the script keeps working, and the overlap arithmetic is
-checked on hand-made spans.
+checked in test_profile_summary.py.
 """
 
 import pytest
 
 from benchmarks import multi_gpu
-
-
-def test_union_merges_touching_and_nested_spans():
-    assert multi_gpu._union([(5, 6), (0, 2), (1, 3), (3, 4), (5.5, 5.8)]) == [(0, 4), (5, 6)]
-
-
-@pytest.mark.parametrize(
-    ("xs", "ys", "expected"),
-    [
-        ([(0, 10)], [(2, 3), (5, 7)], 3),
-        ([(0, 1), (4, 6)], [(0.5, 5)], 1.5),
-        ([(0, 1)], [(1, 2)], 0),
-        ([], [(0, 1)], 0),
-    ],
-)
-def test_intersection_of_span_lists(xs, ys, expected):
-    assert multi_gpu._intersection(xs, ys) == pytest.approx(expected)
 
 
 def test_parity_table_flags_a_diverging_mesh():

@@ -1,0 +1,128 @@
+"""Where a training step's GPU time goes: kernel time by kind, idle time and exposed NCCL time.
+
+`profile_steps(step, n)` runs `step` `n` times under ``torch.profiler`` (CUDA kernels only) and
+summarises the trace per step:
+
+- ``wall_ms``: from the first kernel's start to the last kernel's end, over `n`;
+- ``busy``: the share of ``wall_ms`` during which some kernel ran (1 - busy is the GPU waiting
+  for the host: launch overhead, host syncs, Python);
+- ``exposed_comm_ms``: time when an NCCL kernel ran and no compute kernel did (a kernel waiting
+  for its peer counts: it is time this rank could not compute);
+- ``overlapped``: of the NCCL kernels' time, the share during which a compute kernel also ran;
+- ``kernels_ms``: summed kernel time per kind (`KINDS`), which may exceed ``wall_ms`` where
+  streams overlap.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Span = tuple[float, float]
+
+# (kind, substrings of the kernel name, lower case); the first match wins, "other" otherwise.
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")),
+    ("optimizer", ("multi_tensor_apply", "foreach", "fused_adam")),
+    ("triton", ("triton",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("reduce", ("reduce",)),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+)
+
+
+def kind_of(kernel: str) -> str:
+    """The `KINDS` entry whose substrings `kernel`'s name contains, else ``"other"``."""
+    name = kernel.lower()
+    for kind, keys in KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def profile_steps(step: Callable[[], Any], n: int = 2) -> dict[str, Any]:
+    """Run `step` `n` times under the profiler and summarise its CUDA kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp, "trace.json.gz")
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return summarise(kernels, n)
+
+
+def summarise(kernels: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The summary of `profile_steps` from chrome-trace kernel events (``name``, ``ts``, ``dur``
+    in microseconds) covering `n` steps."""
+    if not kernels:
+        return {"wall_ms": 0.0, "busy": 0.0, "exposed_comm_ms": 0.0, "overlapped": 0.0}
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    is_comm = ["nccl" in e["name"].lower() for e in kernels]
+    comm = union([s for s, c in zip(spans, is_comm, strict=True) if c])
+    compute = union([s for s, c in zip(spans, is_comm, strict=True) if not c])
+    comm_us = length(comm)
+    both_us = intersection(comm, compute)
+    wall_us = max(b for _, b in spans) - min(a for a, _ in spans)
+    per_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kind_of(e["name"])
+        per_kind[kind] = per_kind.get(kind, 0.0) + e["dur"] / (1e3 * n)
+    return {
+        "wall_ms": wall_us / (1e3 * n),
+        "busy": length(union(spans)) / wall_us if wall_us else 0.0,
+        "comm_ms": comm_us / (1e3 * n),
+        "exposed_comm_ms": (comm_us - both_us) / (1e3 * n),
+        "overlapped": both_us / comm_us if comm_us else 0.0,
+        "kernels_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """One line: wall, busy share, exposed NCCL and the kinds' kernel ms per step."""
+    kinds = ", ".join(f"{k} {v:.1f}" for k, v in summary.get("kernels_ms", {}).items())
+    return (
+        f"{summary['wall_ms']:.1f} ms/step on the GPU, busy {100 * summary['busy']:.0f}%, "
+        f"exposed nccl {summary['exposed_comm_ms']:.1f} ms; kernels ms/step: {kinds}"
+    )
+
+
+def union(spans: list[Span]) -> list[Span]:
+    """`spans` merged into sorted, disjoint spans."""
+    merged: list[Span] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def length(spans: list[Span]) -> float:
+    """Total length of disjoint `spans`."""
+    return sum(b - a for a, b in spans)
+
+
+def intersection(xs: list[Span], ys: list[Span]) -> float:
+    """Total length of the overlap of two sorted, disjoint span lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
