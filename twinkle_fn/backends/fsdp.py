@@ -10,6 +10,7 @@ normalises once by the global token count.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -91,9 +92,12 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
     if mesh.data_world_size > 1:
         data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
         mp = _mixed_precision(model.compute_dtype)
-        for layer in layers:
-            fully_shard(layer, mesh=data_mesh, mp_policy=mp)
+        for i, layer in enumerate(layers):
+            # The last layer's backward runs right after the forward: keep it unsharded.
+            last = i == len(layers) - 1
+            fully_shard(layer, mesh=data_mesh, mp_policy=mp, reshard_after_forward=not last)
         fully_shard(module, mesh=data_mesh, mp_policy=mp)
+        _prefetch(module, list(layers))
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
@@ -101,6 +105,21 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 m.set_force_sum_reduction_for_comms(True)
     placement = Placement(mesh, dm, _dp_group(mesh))
     return dataclasses.replace(model, placement=placement)
+
+
+def _prefetch(root: FSDPModule, layers: list[FSDPModule]) -> None:
+    """Issue each layer's all-gather from the CPU one layer early, in forward and in backward.
+
+    FSDP2's implicit prefetch issues a layer's all-gather when the CPU reaches that layer, which
+    overlaps with compute only while the CPU runs ahead of the GPU; after a host sync (the fused
+    loss counts its supervised tokens) or a slow optimizer dispatch it does not, and every
+    all-gather waits exposed. Explicit prefetch issues it during the previous layer.
+    """
+    if layers:
+        root.set_modules_to_forward_prefetch([layers[0]])
+    for prev, nxt in itertools.pairwise(layers):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
 
 
 def compile_layers(model: Model) -> None:
