@@ -14,6 +14,9 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
 - ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend, padded batch;
 - ``twinkle_fsdp_compiled``: the same with each decoder layer compiled (option
   ``compile_layers``; GPU only, like ``hf_compiled``);
+- ``twinkle_fsdp_compiled_ckpt``: the same with activation checkpointing of every decoder
+  layer (recomputed in backward: the MFU formula does not count the recompute), the memory
+  end of the trade-off;
 - ``twinkle_megatron``: the same on the megatron backend with its `megatron_optimizer`
   (megatron-core's distributed optimizer), when `twinkle_fn.backends` has that backend.
 
@@ -96,6 +99,7 @@ ROWS = (
     "mcore_sdpa",
     "twinkle_fsdp",
     "twinkle_fsdp_compiled",
+    "twinkle_fsdp_compiled_ckpt",
     "twinkle_megatron",
 )
 BASELINES = ("hf_loop", "hf_compiled", "mcore_local")
@@ -259,7 +263,9 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
 
 
 def _skip_reason(name: str, device: torch.device) -> str | None:
-    if name in ("hf_compiled", "twinkle_fsdp_compiled") and device.type != "cuda":
+    if name in ("hf_compiled", "twinkle_fsdp_compiled", "twinkle_fsdp_compiled_ckpt") and (
+        device.type != "cuda"
+    ):
         return "GPU only (compiling on a CPU takes minutes)"
     if name == "twinkle_megatron" and "megatron" not in backends.names():
         return "twinkle_fn.backends has no 'megatron' backend yet"
@@ -467,12 +473,24 @@ def _twinkle_fsdp_compiled(setup: Setup) -> Iterator[Step]:
 
 
 @contextlib.contextmanager
+def _twinkle_fsdp_compiled_ckpt(setup: Setup) -> Iterator[Step]:
+    yield _twinkle_step(
+        setup, backend="fsdp", options={"compile_layers": True}, activation_checkpointing=True
+    )
+
+
+@contextlib.contextmanager
 def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
     with _megatron_world(setup.device):
         yield _twinkle_step(setup, backend="megatron")
 
 
-def _twinkle_step(setup: Setup, backend: str, options: dict[str, Any] | None = None) -> Step:
+def _twinkle_step(
+    setup: Setup,
+    backend: str,
+    options: dict[str, Any] | None = None,
+    activation_checkpointing: bool = False,
+) -> Step:
     with torch.device(setup.device):
         model = tf.models.from_hf_config(
             setup.config,
@@ -481,6 +499,7 @@ def _twinkle_step(setup: Setup, backend: str, options: dict[str, Any] | None = N
             device=setup.device,
             seed=0,
             options=options,
+            activation_checkpointing=activation_checkpointing,
         )
     holder = [tf.init(model, twinkle_optimizer(backend))]
     batch = padded_batch(setup.input_ids)
@@ -563,6 +582,7 @@ _ROW_BUILDERS: MappingProxyType[str, RowBuilder] = MappingProxyType(
         "mcore_sdpa": _mcore_sdpa,
         "twinkle_fsdp": _twinkle_fsdp,
         "twinkle_fsdp_compiled": _twinkle_fsdp_compiled,
+        "twinkle_fsdp_compiled_ckpt": _twinkle_fsdp_compiled_ckpt,
         "twinkle_megatron": _twinkle_megatron,
     }
 )
