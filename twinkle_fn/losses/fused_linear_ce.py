@@ -3,26 +3,49 @@
 ``fused_linear_cross_entropy_sum(hidden, weight, labels)`` equals
 ``cross_entropy_sum(hidden @ weight.T + bias, labels)`` without materialising the
 ``[tokens, vocab]`` logits. Forward walks over the supervised tokens ``chunk_size`` at a time; for
-each chunk it computes the logits in float32, the chunk's loss sum, and, since the gradient of a
-token-sum CE w.r.t. its logits is just ``softmax - onehot``, the chunk's gradients w.r.t. hidden,
-weight and bias. Backward then only scales those stored gradients by ``grad_output``.
+each chunk it computes the logits, each token's loss (softmax math in float32, float64 for float64
+inputs) and, since the gradient of a token-sum CE w.r.t. its logits is just ``softmax - onehot``,
+the chunk's gradients w.r.t. hidden, weight and bias. Backward then only scales those stored
+gradients by ``grad_output``. The per-token losses can be returned too (detached).
 
-Memory: the transient peak is O(chunk_size · vocab): one ``[chunk, vocab]`` buffer in the
-accumulation dtype (float32, float64 for float64 inputs) holds the logits and then the softmax in
-place; bfloat16/float16 inputs add one ``[chunk, vocab]`` tensor in the input dtype (the matmul
+On CUDA the per-chunk softmax, loss and logits gradient are one Triton kernel (`_ce_kernel`) for
+bfloat16, float16 and float32 inputs; the torch ops below are the fallback and the reference.
+
+Memory: the transient peak is O(chunk_size · vocab). With the kernel, one ``[chunk, vocab]``
+buffer in the input dtype holds the logits and then, in place, their gradient: ``chunk · vocab ·
+2`` bytes for bf16/fp16, ``· 4`` for float32. With torch ops, one ``[chunk, vocab]`` buffer in
+the accumulation dtype (float32, float64 for float64 inputs) holds the logits and then the softmax
+in place; bfloat16/float16 inputs add one ``[chunk, vocab]`` tensor in the input dtype (the matmul
 output, later the gradient cast back for the matmuls). So ``chunk · vocab · 6`` bytes for bf16,
-``· 4`` for float32, ``· 8`` for float64, plus a ``[vocab, hidden]`` temporary per chunk for the
-low-precision weight gradient. Stored until backward, each only when needed: the hidden gradient
-``[tokens, hidden]`` in the input dtype and the weight/bias gradient in the accumulation dtype.
+``· 4`` for float32, ``· 8`` for float64. Either way add a ``[vocab, hidden]`` temporary per chunk
+for the low-precision weight gradient. Stored until backward, each only when needed: the hidden
+gradient ``[tokens, hidden]`` in the input dtype and the weight/bias gradient in the accumulation
+dtype.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from twinkle_fn.losses.cross_entropy import LossOutput, accumulation_dtype, validate_labels
+
+
+class TokenLossOutput(NamedTuple):
+    """`LossOutput`'s two fields plus each token's cross entropy.
+
+    ``loss_sum``, ``num_tokens``: as in `LossOutput`.
+    ``token_losses``: ``[...]`` shaped like the labels, detached, in loss_sum's dtype (float32,
+    float64 for float64 inputs): ``-log p(label)`` of each token, 0 where the label is ignored.
+    """
+
+    loss_sum: Tensor
+    num_tokens: Tensor
+    token_losses: Tensor
 
 
 def _scale(grad: Tensor, scale: Tensor, dtype: torch.dtype, rows_per_step: int) -> Tensor:
@@ -40,18 +63,26 @@ def _scale(grad: Tensor, scale: Tensor, dtype: torch.dtype, rows_per_step: int) 
     return out
 
 
-def _chunk_loss_and_grads(
+def _kernel_applies(hidden: Tensor) -> bool:
+    """Whether the chunks' softmax runs in the Triton kernel (CUDA, a dtype it handles)."""
+    if hidden.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    from twinkle_fn.losses import _ce_kernel  # imports triton: only paid on CUDA
+
+    return hidden.dtype in _ce_kernel.KERNEL_DTYPES
+
+
+def _torch_rows(
     h: Tensor,  # [chunk, hidden]
-    y: Tensor,  # [chunk] int64
     weight: Tensor,  # [vocab, hidden]
-    bias: Tensor | None,  # [vocab], in the accumulation dtype
+    y: Tensor,  # [chunk, 1] int64
+    bias: Tensor | None,  # [vocab] acc
     acc: torch.dtype,
-    need_hidden: bool,
-    grad_weight: Tensor | None,  # [vocab, hidden] acc, accumulated into when given
+    need_grad: bool,
     grad_bias: Tensor | None,  # [vocab] acc, accumulated into when given
 ) -> tuple[Tensor, Tensor | None]:
-    """One chunk's CE sum (0-d, acc) and its gradient w.r.t. `h` (when `need_hidden`)."""
-    y = y.unsqueeze(1)
+    """Per-row CE ([chunk], acc) and ``softmax - onehot`` in h's dtype, in torch ops."""
+    # one expression, so that a low-precision matmul output is freed once upcast
     logits = (h @ weight.t()).to(acc)  # [chunk, vocab]
     if bias is not None:
         logits += bias
@@ -60,26 +91,58 @@ def _chunk_loss_and_grads(
     row_max = logits.amax(1, keepdim=True)
     probs = logits.sub_(row_max).exp_()
     denom = probs.sum(1, keepdim=True)
-    loss = (row_max + denom.log() - target).sum()
-    if not (need_hidden or grad_weight is not None or grad_bias is not None):
-        return loss, None
-
+    losses = (row_max + denom.log() - target).squeeze(1)
+    if not need_grad:
+        return losses, None
     # d(sum of CE) / d(logits) = softmax - onehot(label)
     grad_logits = probs.div_(denom).scatter_add_(1, y, torch.full_like(target, -1.0))
     if grad_bias is not None:
         grad_bias += grad_logits.sum(0)
-    grad_logits = grad_logits.to(h.dtype)
-    del logits, probs  # a low-precision input frees the float32 buffer before the matmuls
+    return losses, grad_logits.to(h.dtype)
+
+
+def _chunk_loss_and_grads(
+    h: Tensor,  # [chunk, hidden]
+    y: Tensor,  # [chunk] int64
+    weight: Tensor,  # [vocab, hidden]
+    bias: Tensor | None,  # [vocab], in the accumulation dtype
+    acc: torch.dtype,
+    use_kernel: bool,
+    need_hidden: bool,
+    grad_weight: Tensor | None,  # [vocab, hidden] acc, accumulated into when given
+    grad_bias: Tensor | None,  # [vocab] acc, accumulated into when given
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk's per-token CE ([chunk], acc) and its gradient w.r.t. `h` (when `need_hidden`)."""
+    need_grad = need_hidden or grad_weight is not None or grad_bias is not None
+    if use_kernel:
+        from twinkle_fn.losses import _ce_kernel
+
+        # the kernel overwrites the logits with their gradient: one [chunk, vocab] buffer
+        grad_logits = h @ weight.t()  # [chunk, vocab]
+        losses = _ce_kernel.cross_entropy_rows_(grad_logits, y, bias, write_grad=need_grad)
+        if grad_bias is not None:
+            # sums the rounded gradient, the same one the weight gradient is made of
+            grad_bias += grad_logits.sum(0, dtype=acc)
+    else:
+        # a low-precision input frees the float32 buffer on return, before the matmuls
+        losses, grad_logits = _torch_rows(
+            h, weight, y.unsqueeze(1), bias, acc, need_grad, grad_bias
+        )
+    if not need_grad:
+        return losses, None
     if grad_weight is not None:
         if grad_logits.dtype == acc:
             grad_weight.addmm_(grad_logits.t(), h)
         else:
             grad_weight += grad_logits.t() @ h
-    return loss, (grad_logits @ weight if need_hidden else None)
+    return losses, (grad_logits @ weight if need_hidden else None)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Token-sum CE of ``hidden @ weight.T + bias``; gradients computed in forward."""
+    """Token-sum CE of ``hidden @ weight.T + bias`` and the per-token CE (not differentiable).
+
+    Gradients are computed in forward.
+    """
 
     @staticmethod
     def forward(
@@ -90,18 +153,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         labels: Tensor,  # [tokens] int64, every entry in [0, vocab) where supervised
         supervised: Tensor,  # [tokens] bool
         chunk_size: int,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         acc = accumulation_dtype(hidden.dtype)
+        use_kernel = _kernel_applies(hidden)
         # One host sync per call: the loop bounds depend on how many tokens are supervised.
         # In exchange only supervised tokens are projected, so prompt and padding cost nothing.
         rows = supervised.nonzero().squeeze(1)
         num_supervised = rows.numel()
         all_supervised = num_supervised == hidden.shape[0]
 
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
         # rows of ignored tokens are never written, so they must start at zero
         new_grad = torch.empty_like if all_supervised else torch.zeros_like
+        token_losses = new_grad(labels, dtype=acc)  # [tokens]
         grad_hidden = new_grad(hidden) if need_hidden else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
@@ -118,10 +182,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 h, y = hidden.index_select(0, index), labels.index_select(0, index)
             # a function call, so that this chunk's [chunk, vocab] buffers are freed before the
             # next chunk allocates its own
-            chunk_loss, grad_h = _chunk_loss_and_grads(
-                h, y, weight, bias_acc, acc, need_hidden, grad_weight, grad_bias
+            chunk_losses, grad_h = _chunk_loss_and_grads(
+                h, y, weight, bias_acc, acc, use_kernel, need_hidden, grad_weight, grad_bias
             )
-            loss += chunk_loss
+            if all_supervised:
+                token_losses[index] = chunk_losses
+            else:
+                token_losses.index_copy_(0, index, chunk_losses)
             if grad_h is None:
                 continue
             if all_supervised:
@@ -132,11 +199,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.chunk_size = chunk_size
-        return loss
+        ctx.mark_non_differentiable(token_losses)
+        return token_losses.sum(), token_losses
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(
+        ctx: FunctionCtx, grad_output: Tensor, _grad_token_losses: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
         grads = []
         for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
             if grad is None:
@@ -156,7 +226,8 @@ def fused_linear_cross_entropy_sum(
     bias: Tensor | None = None,
     ignore_index: int = -100,
     chunk_size: int = 4096,
-) -> LossOutput:
+    return_token_losses: bool = False,
+) -> LossOutput | TokenLossOutput:
     """Token-sum cross entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
 
     Equal to ``cross_entropy_sum(hidden @ weight.T + bias, labels, ignore_index)`` in value and
@@ -170,6 +241,12 @@ def fused_linear_cross_entropy_sum(
     (tied embeddings) receives the sum of both gradients through autograd as usual.
     Finding the supervised tokens reads their count on the host: one sync per call.
 
+    On CUDA with bfloat16, float16 or float32 inputs each chunk's softmax, loss and logits
+    gradient run in one Triton kernel that overwrites the chunk's logits with their gradient;
+    elsewhere (CPU, float64, no triton) in torch ops. Both compute in float32 (float64 for
+    float64) and round the logits gradient to the input dtype once. The kernel's bias gradient
+    sums that rounded gradient (as the weight gradient does); the torch path sums it unrounded.
+
     Args:
         hidden: ``[..., hidden]`` float32, float64, bfloat16 or float16; flattened to
             ``[tokens, hidden]``.
@@ -178,15 +255,20 @@ def fused_linear_cross_entropy_sum(
         bias: optional ``[vocab]`` lm_head bias, same dtype as `hidden`.
         ignore_index: label value of unsupervised tokens.
         chunk_size: supervised tokens per chunk; larger is faster and uses more memory.
+        return_token_losses: also return each token's cross entropy (its negated log p(label)),
+            computed anyway, at no extra cost.
 
     Returns:
         ``LossOutput(loss_sum, num_tokens)``: loss_sum float32 (float64 for float64 inputs),
         gradients returned in each input's dtype (weight/bias accumulated in float32).
+        With `return_token_losses`, ``TokenLossOutput(loss_sum, num_tokens, token_losses)``,
+        token_losses ``[...]`` shaped like `labels`, detached, 0 at ignored tokens.
 
     Raises:
         ValueError: a shape, dtype or device mismatch between the arguments, non-integer labels,
             labels outside ``[0, vocab)`` other than ignore_index (checked for CPU labels only,
-            see `validate_labels`), or chunk_size < 1.
+            see `validate_labels`; on CUDA such a label fails a device-side assertion on the
+            torch path and gives a NaN loss in the kernel), or chunk_size < 1.
     """
     _validate(hidden, weight, bias, chunk_size)
     validate_labels(
@@ -194,16 +276,18 @@ def fused_linear_cross_entropy_sum(
     )
     if labels.device != hidden.device:
         raise ValueError(f"labels are on {labels.device} but hidden is on {hidden.device}")
-    labels = labels.reshape(-1)
-    supervised = labels != ignore_index
-    loss_sum = _FusedLinearCrossEntropy.apply(
+    flat_labels = labels.reshape(-1)
+    supervised = flat_labels != ignore_index
+    loss_sum, token_losses = _FusedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         bias,
-        labels.long(),
+        flat_labels.long(),
         supervised,
         chunk_size,
     )
+    if return_token_losses:
+        return TokenLossOutput(loss_sum, supervised.sum(), token_losses.view(labels.shape))
     return LossOutput(loss_sum, supervised.sum())
 
 

@@ -5,7 +5,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinkle_fn.losses import cross_entropy_sum, fused_linear_cross_entropy_sum
+from twinkle_fn.losses import (
+    LossOutput,
+    cross_entropy_sum,
+    fused_linear_ce,
+    fused_linear_cross_entropy_sum,
+)
+from twinkle_fn.losses.fused_linear_ce import TokenLossOutput
 from twinkle_fn.pytree import tree_leaves
 
 IGNORE = -100
@@ -104,6 +110,45 @@ def test_low_precision_is_as_accurate_as_the_plain_path(dtype):
     # rounded to them on both paths, so a few 1e-3 of relative error is expected of either.
     hidden, weight, bias, labels = _problem(dtype=dtype, hidden=16, vocab=64)
     _assert_as_accurate_as_plain(hidden, weight, bias, labels, chunk_size=7, floor=4e-3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_token_losses_equal_unreduced_cross_entropy(dtype, tolerance, chunk_size, bias):
+    hidden, weight, bias_t, labels = _problem(dtype=dtype, bias=bias)
+    out = _fused(hidden, weight, labels, bias_t, chunk_size=chunk_size, return_token_losses=True)
+    assert isinstance(out, TokenLossOutput)
+    logits = hidden @ weight.T + (0 if bias_t is None else bias_t)  # [3, 16, vocab]
+    expected = torch.nn.functional.cross_entropy(
+        logits.permute(0, 2, 1), labels, ignore_index=IGNORE, reduction="none"
+    )
+    assert out.token_losses.shape == labels.shape and out.token_losses.dtype == dtype
+    assert not out.token_losses.requires_grad
+    torch.testing.assert_close(out.token_losses, expected.detach(), rtol=tolerance, atol=tolerance)
+    ignored = labels == IGNORE
+    assert ignored.any() and torch.all(out.token_losses[ignored] == 0)
+    assert torch.all(out.token_losses[~ignored] > 0)
+    torch.testing.assert_close(out.token_losses.sum(), out.loss_sum.detach())
+
+
+def test_token_losses_leave_loss_and_gradients_unchanged():
+    hidden, weight, bias, labels = _problem(dtype=torch.float32)
+    plain, grads = _run(_fused, hidden, weight, labels, bias, chunk_size=7)
+    with_tokens, token_grads = _run(
+        _fused, hidden, weight, labels, bias, chunk_size=7, return_token_losses=True
+    )
+    assert type(plain) is LossOutput and type(with_tokens) is TokenLossOutput
+    assert torch.equal(plain.loss_sum, with_tokens.loss_sum)
+    assert torch.equal(plain.num_tokens, with_tokens.num_tokens)
+    for grad, token_grad in zip(grads, token_grads, strict=True):
+        assert torch.equal(grad, token_grad)
+
+
+def test_token_losses_of_an_ignored_batch_are_zero():
+    hidden, weight, bias, labels = _problem(ignore_fraction=1.0)
+    out = _fused(hidden, weight, labels, bias, return_token_losses=True)
+    assert out.token_losses.shape == labels.shape and torch.all(out.token_losses == 0)
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -313,3 +358,83 @@ def test_cuda_as_accurate_as_plain_within_a_memory_budget(dtype):
     # float32 matmuls run without TF32 (torch's default), so both paths are near float64
     floor = 4e-3 if dtype == torch.bfloat16 else 1e-5
     _assert_as_accurate_as_plain(hidden, weight, bias, labels, chunk_size=chunk, floor=floor)
+
+
+def _cuda_problem(dtype, tokens=3000, hidden_size=256, vocab=5000):
+    """Leaves on CUDA in `dtype`, logits of unit scale, and labels with ~25% ignored."""
+    gen = torch.Generator().manual_seed(5)
+    leaves = [
+        torch.randn(tokens, hidden_size, generator=gen),
+        torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5,
+        torch.randn(vocab, generator=gen),
+    ]
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[torch.rand(tokens, generator=gen) < 0.25] = IGNORE
+    leaves = [t.to("cuda", dtype).requires_grad_() for t in leaves]
+    return leaves, labels.cuda()
+
+
+def _both_paths(monkeypatch, leaves, labels, chunk_size=1024):
+    """(kernel, torch) results and gradients of the fused loss on the same CUDA inputs."""
+    from twinkle_fn.losses import _ce_kernel
+
+    launches = []
+    kernel = _ce_kernel.cross_entropy_rows_
+    monkeypatch.setattr(
+        _ce_kernel, "cross_entropy_rows_", lambda *a, **k: launches.append(1) or kernel(*a, **k)
+    )
+    results = []
+    for use_kernel in (True, False):
+        monkeypatch.setattr(fused_linear_ce, "_kernel_applies", lambda _, use=use_kernel: use)
+        out = fused_linear_cross_entropy_sum(
+            leaves[0],
+            leaves[1],
+            labels,
+            bias=leaves[2],
+            chunk_size=chunk_size,
+            return_token_losses=True,
+        )
+        needed = [t for t in leaves if t.requires_grad]
+        results.append((out, torch.autograd.grad(out.loss_sum, needed) if needed else ()))
+    # 3000 tokens, ~2250 supervised: three chunks, all in the kernel
+    assert len(launches) == 3
+    return results
+
+
+# (loss rtol, gradient rtol) per dtype. Both paths compute in float32 from the same logits, so
+# losses differ by a few float32 ulps (hardware exp/log, summation order) of values ~10 and sums
+# ~2e4. The logits gradient is that float32 value rounded once to the dtype; an ulp of float32
+# difference moves some entries to the neighbouring value, which the matmuls carry as about one
+# ulp of the dtype: 2^-7 for bf16, 2^-10 for fp16, and float32 stays at a few float32 ulps.
+# The bias gradient differs a bit more in low precision: the kernel path sums the rounded
+# gradient, the torch path the float32 one; atol scales with the largest entry for that.
+KERNEL_TOLERANCES = {
+    torch.bfloat16: (1e-5, 2**-7),
+    torch.float16: (1e-5, 2**-10),
+    torch.float32: (1e-5, 1e-5),
+}
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("dtype", list(KERNEL_TOLERANCES))
+def test_cuda_kernel_path_matches_the_torch_path(monkeypatch, dtype):
+    loss_rtol, grad_rtol = KERNEL_TOLERANCES[dtype]
+    leaves, labels = _cuda_problem(dtype)
+    (kernel, grads), (ref, ref_grads) = _both_paths(monkeypatch, leaves, labels)
+    torch.testing.assert_close(kernel.loss_sum, ref.loss_sum, rtol=loss_rtol, atol=0)
+    assert kernel.loss_sum.dtype == torch.float32 and torch.equal(kernel.num_tokens, ref.num_tokens)
+    torch.testing.assert_close(kernel.token_losses, ref.token_losses, rtol=loss_rtol, atol=1e-5)
+    assert torch.all(kernel.token_losses[labels == IGNORE] == 0)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == ref_grad.dtype == dtype
+        atol = grad_rtol * ref_grad.abs().max().item()
+        torch.testing.assert_close(grad, ref_grad, rtol=grad_rtol, atol=atol)
+        # and on the whole well under one rounding of the dtype
+        assert _relative_error(grad, ref_grad.double()) < grad_rtol / 2
+
+    # evaluation: no gradient wanted, the kernel only reads the logits
+    for leaf in leaves:
+        leaf.requires_grad_(False)
+    (kernel, _), (ref, _) = _both_paths(monkeypatch, leaves, labels)
+    torch.testing.assert_close(kernel.token_losses, ref.token_losses, rtol=loss_rtol, atol=1e-5)
