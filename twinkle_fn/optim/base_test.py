@@ -17,7 +17,7 @@ from twinkle_fn.optim import (
     current_lr,
     sgd,
 )
-from twinkle_fn.optim.base import check_lr, foreach_groups
+from twinkle_fn.optim.base import check_lr, foreach_groups, local_operands
 from twinkle_fn.pytree import tree_leaves
 
 
@@ -164,3 +164,11 @@ def test_transformations_work_on_sharded_dtensors(tmp_path):
     # FSDP2 hands the optimizer DTensor shards: every kernel must have a DTensor rule, and the
     # clip norm must cover all shards (two gloo processes, Shard(0)).
     mp.spawn(_sharded_worker, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
+def test_local_operands_passes_plain_tensors_and_checks_lengths():
+    a, b = [torch.ones(2), torch.zeros(3)], [torch.ones(2), None]
+    out = local_operands(a, b)
+    assert all(x is y for x, y in zip(out[0] + out[1], a + b, strict=True))
+    with pytest.raises(ValueError, match="columns differ in length"):
+        local_operands(a, [torch.ones(2)])
