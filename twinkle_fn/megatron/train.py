@@ -9,6 +9,8 @@
   with the columns that pad the vocabulary for tensor parallelism masked out, go through
   megatron-core's vocab-parallel cross entropy, so full ``[tokens, vocab]`` logits are never
   gathered.
+  With tensor-parallel size 1 the fused loss (`twinkle_fn.megatron.fused_loss`) replaces it
+  and the logits never exist in full.
 - `forward_backward` runs megatron-core's schedule (1F1B when pp > 1) over the micro-batches and
   returns the token-summed loss and the supervised-token count of this data rank, the same on
   every pipeline stage and context-parallel rank, and each micro-batch's per-token
@@ -43,6 +45,7 @@ from twinkle_fn.megatron.context_parallel import (
     split_packed,
     split_sequence,
 )
+from twinkle_fn.megatron.fused_loss import FusedLoss, fused_loss_applies, fused_token_losses
 
 PAD_TOKEN_ID = 0  # fills positions added to reach a sequence multiple; their labels are ignored
 
@@ -266,15 +269,30 @@ def token_losses(
     return losses.t()
 
 
-def _loss_sum(labels: Tensor, losses: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+def _output_losses(**kwargs: Any) -> Tensor | FusedLoss:
+    """``GPTModel`` output processor: `fused_token_losses` where `fused_loss_applies` (tp 1:
+    no full logits), else `token_losses`."""
+    if fused_loss_applies(kwargs["config"], kwargs["output_layer"], kwargs["hidden_states"]):
+        return fused_token_losses(**kwargs)
+    return token_losses(**kwargs)
+
+
+def _loss_sum(
+    labels: Tensor, losses: Tensor | Sequence[Tensor]
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """megatron's loss_func contract with ``calculate_per_token_loss``: (sum, count, report).
 
-    The report also holds the micro-batch's ``logps`` ``[b, s]``: ``-losses`` (the label's
-    log-probability) where supervised, 0 elsewhere.
+    `losses` is `_output_losses`' output: `token_losses`' ``[b, s]`` or the fused loss's
+    ``(loss_sum, token_losses)`` (a plain tuple once megatron's ``Float16Module`` has cast it).
+    The report also holds the micro-batch's ``logps`` ``[b, s]``: the label's log-probability
+    where supervised, 0 elsewhere.
     """
     supervised = labels != IGNORE_INDEX
-    masked = torch.where(supervised, losses, 0.0)
-    loss_sum = masked.sum()
+    if isinstance(losses, Tensor):
+        masked = torch.where(supervised, losses, 0.0)
+        loss_sum = masked.sum()
+    else:
+        loss_sum, masked = losses
     num_tokens = supervised.sum()
     report = {"loss_sum": loss_sum.detach(), "num_tokens": num_tokens, "logps": -masked.detach()}
     return loss_sum, num_tokens, report
@@ -318,7 +336,7 @@ def forward_backward(
             None,
             labels=mb.labels,
             packed_seq_params=mb.packed,
-            output_processor=token_losses,
+            output_processor=_output_losses,
             output_processor_context=vocab_size,
         )
         return out, functools.partial(_loss_sum, mb.labels)
