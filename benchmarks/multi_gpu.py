@@ -213,6 +213,7 @@ def _launch(nproc: int, args: argparse.Namespace, what: list[str], out: Path) ->
 def _shared_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--steps", str(args.steps), "--shape", args.shape, "--seq", str(args.seq)]
     flags += ["--micro-batch", str(args.micro_batch), "--timed", str(args.timed)]
+    flags += ["--trace", args.trace] if args.trace else []
     return flags + (["--tiny"] if args.tiny else [])
 
 
@@ -428,7 +429,12 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
         "last_loss": last,
     }
     if device.type == "cuda":
-        row["overlap"] = profile_steps(step)
+        trace = (
+            None
+            if args.trace is None
+            else Path(args.trace, f"{name.replace('/', '_')}.{rank()}.json.gz")
+        )
+        row["overlap"] = profile_steps(step, trace=trace)
     return row
 
 
@@ -457,6 +463,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=4, help="rows per data rank per step")
     p.add_argument("--timed", type=int, default=8, help="timed steps per speed row (median)")
     p.add_argument("--tiny", action="store_true", help="parity on the tests' 2-layer models")
+    p.add_argument("--trace", help="keep each speed row's profiler trace (per rank) in this folder")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

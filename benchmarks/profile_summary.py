@@ -48,18 +48,25 @@ def kind_of(kernel: str) -> str:
     return "other"
 
 
-def profile_steps(step: Callable[[], Any], n: int = 2) -> dict[str, Any]:
-    """Run `step` `n` times under the profiler and summarise its CUDA kernels per step."""
+def profile_steps(
+    step: Callable[[], Any], n: int = 2, trace: str | Path | None = None
+) -> dict[str, Any]:
+    """Run `step` `n` times under the profiler and summarise its CUDA kernels per step; with
+    `trace`, also keep the chrome trace there (gzipped JSON, for chrome://tracing or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # Host events only for a kept trace: they show where the CPU falls behind the GPU.
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=activities) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp, "trace.json.gz")
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+        prof.export_chrome_trace(str(Path(tmp, "trace.json.gz")))
+        raw = Path(tmp, "trace.json.gz").read_bytes()
+    if trace is not None:
+        Path(trace).write_bytes(raw)
+    events = json.loads(gzip.decompress(raw))["traceEvents"]
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     return summarise(kernels, n)
 
