@@ -3,11 +3,14 @@
 `MegatronBackend.prepare` builds this rank's pipeline stage from the model's HF config over
 megatron-core's process groups (`twinkle_fn.megatron.parallel`), loads this rank's slices of the
 HF weights through the bridge, wraps the stage in ``Float16Module`` (bf16 / fp16) and megatron's
-``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout, no overlap).
+``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout).
 `fwd_bwd` runs megatron-core's schedule (`twinkle_fn.megatron.train`): gradients are token sums
-left in the DDP grad buffers, unreduced, and the returned `Grads` are views of them. `step`
-reduces them once (data x context parallel, sequence-parallel norms, tied embeddings across
-stages), divides by the global supervised-token count, and applies the optimizer. Under context
+in the DDP grad buffers, and the returned `Grads` are views of them. By default the DDP reduces
+them over data x context-parallel ranks bucket by bucket during the backward of each call's last
+micro-batch (`twinkle_fn.megatron.grad_sync`, exact across accumulating calls); `step` then
+finishes the reduction (sequence-parallel norms, tied embeddings across stages), divides by the
+global supervised-token count, and applies the optimizer. With ``overlap_grad_reduce=False``
+the buffers hold this rank's unreduced sums until `step` reduces them all at once. Under context
 parallelism each rank runs its chunks of every sequence (`twinkle_fn.megatron.context_parallel`;
 TransformerEngine's attention when its spec is used).
 
@@ -23,11 +26,19 @@ replicated on every data and context-parallel rank; it needs whole parameters on
 ``Model.options`` read by `prepare`: ``num_micro_batches`` (per `fwd_bwd` call; default the
 pipeline size), ``vocab_multiple`` (vocabulary padding unit per tp rank; default 128),
 ``use_te`` (TransformerEngine's layer spec; default when importable), ``lora`` (a
-``peft.LoraConfig``: train LoRA adapters only, see `twinkle_fn.megatron.lora`) and any
-``TransformerConfig`` field (e.g. ``recompute_granularity``) but those the mesh, the precision
-and the loss decide (parallel sizes, sequence parallelism, ``bf16`` / ``fp16``, per-token loss). A model built with
-``activation_checkpointing=True`` recomputes every layer in backward (megatron's full, uniform
-recompute of one layer at a time) unless the options say otherwise.
+``peft.LoraConfig``: train LoRA adapters only, see `twinkle_fn.megatron.lora`),
+``overlap_grad_reduce`` (reduce gradients during backward; default True), ``grad_bucket_size``
+(gradient elements per reduction bucket; default megatron's ``max(4e7, 1e6 * dp)`` with overlap,
+one bucket without) and any ``TransformerConfig`` field (e.g. ``recompute_granularity``) but
+those the mesh, the precision and the loss decide (parallel sizes, sequence parallelism,
+``bf16`` / ``fp16``, per-token loss). A model built with ``activation_checkpointing=True``
+recomputes every layer in backward (megatron's full, uniform recompute of one layer at a time)
+unless the options say otherwise.
+
+Parameter all-gathers after megatron's optimizer step are not overlapped with the next forward
+(megatron's ``overlap_param_gather``): until that forward, ``state.params`` would hold stale
+values of the shards other ranks updated, and every reader of the state (``unshard``,
+checkpoints, offload, adapter export) would have to gather them first.
 
 Dropout draws from megatron-core's RNG streams, seeded once when megatron's parallel state is
 initialised (seed 0); the state's ``rng`` key advances with every step but does not reseed them.
@@ -58,7 +69,7 @@ from twinkle_fn.backends.megatron_placement import (
     place,
 )
 from twinkle_fn.losses import LossOutput
-from twinkle_fn.megatron import lora
+from twinkle_fn.megatron import grad_sync, lora
 from twinkle_fn.megatron.bridge import mcore_to_hf
 from twinkle_fn.megatron.train import forward_backward, merge_logps, micro_batches
 from twinkle_fn.mesh import Mesh
@@ -129,22 +140,34 @@ class MegatronBackend:
 
         Without `accum` the buffers are zeroed first; with it, `accum` must be the `Grads` that
         owns them (the latest one, donated). Returns `Grads` whose tensors are views of the
-        buffers (this rank's unreduced sums) and this call's ``loss_sum`` / ``num_tokens`` and
-        ``logps`` (per-token ``log p(label)`` in `batch`'s layout, see `evaluate_logps`).
-        Raises ``ValueError`` for a stale or copied `accum`, or a malformed batch.
+        buffers and this call's ``loss_sum`` / ``num_tokens`` and ``logps`` (per-token
+        ``log p(label)`` in `batch`'s layout, see `evaluate_logps`). The views hold this rank's
+        unreduced sums with ``overlap_grad_reduce=False``; with it (the default) the sums over
+        data ranks on the part of each buffer this rank's optimizer reads (its shard under
+        `megatron_optimizer`, all of it under a plain transform) and scratch elsewhere.
+        Raises ``ValueError`` for a stale or copied `accum`, or a malformed batch;
+        ``RuntimeError`` as `twinkle_fn.megatron.grad_sync.finish_backward` does.
         """
         placement = model_placement(state.model)
-        if accum is None:
+        params = None if accum is None else _live(placement, accum, "fwd_bwd(accum=...)")
+        mbs = _micro_batches(placement, batch)
+        if placement.overlap_grad_reduce:
+            # A plain transform reads whole gradients: all-reduce them rather than scatter.
+            all_reduce = not isinstance(state.opt_state, MegatronOptState)
+            grad_sync.begin_backward(
+                placement.chunks, accumulate=accum is not None, all_reduce=all_reduce
+            )
+        elif accum is None:
             for chunk in placement.chunks:
                 chunk.zero_grad_buffer()
+        if params is None:
             params = {n: p.main_grad for n, p in state.params.items()}
             placement.live_grads = params
-        else:
-            params = _live(placement, accum, "fwd_bwd(accum=...)")
-        mbs = _micro_batches(placement, batch)
         loss_sum, num_tokens, logps = forward_backward(
             placement.chunks, mbs, placement.hf_config.vocab_size
         )
+        if placement.overlap_grad_reduce:
+            grad_sync.finish_backward(placement.chunks)
         aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, "logps": _merged(batch, mbs, logps)}
         if accum is not None:
             loss_sum = accum.loss_sum + loss_sum
@@ -153,18 +176,25 @@ class MegatronBackend:
         return Grads(params, loss_sum, num_tokens, num_micro_batches=done + len(mbs)), aux
 
     def update(self, state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
-        """Reduce `grads` once, divide by every data rank's tokens, apply the optimizer.
+        """Finish reducing `grads`, divide by every data rank's tokens, apply the optimizer.
 
         Returns the new state and ``info`` with ``loss``, ``grad_norm`` (before clipping; NaN
         when an fp16 overflow skipped the update), ``num_tokens`` and ``lr``. Raises
-        ``ValueError`` for stale grads, or for a non-megatron transform on a mesh that splits
-        parameters.
+        ``ValueError`` for stale grads, grads reduced for another kind of optimizer, or a
+        non-megatron transform on a mesh that splits parameters.
         """
         placement = model_placement(state.model)
         _live(placement, grads, "step")
         opt = state.opt_state
         if not isinstance(opt, MegatronOptState):
             _check_whole_params(placement.mesh)
+        if placement.overlap_grad_reduce and any(
+            c.force_all_reduce == isinstance(opt, MegatronOptState) for c in placement.chunks
+        ):
+            raise ValueError(
+                "these gradients were reduced for another optimizer kind (fwd_bwd ran with a "
+                "state whose optimizer differs from this one's); step with the same state"
+            )
         placement.live_grads = None
         totals = torch.stack([grads.loss_sum.double(), grads.num_tokens.double()])
         # Over data ranks only: fwd_bwd's totals already sum the context-parallel ranks.

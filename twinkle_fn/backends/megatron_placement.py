@@ -3,8 +3,10 @@
 `place` builds this rank's ``GPTModel`` pipeline stage from the model's HF config over
 megatron-core's process groups (`twinkle_fn.megatron.parallel`), loads this rank's slices of the
 HF weights through the bridge, and wraps the stage in ``Float16Module`` (bf16 / fp16) and
-megatron's ``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout, no
-overlap). `twinkle_fn.backends.megatron` describes the ``Model.options`` it reads.
+megatron's ``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout,
+reductions overlapped with backward unless ``overlap_grad_reduce=False``, see
+`twinkle_fn.megatron.grad_sync`). `twinkle_fn.backends.megatron` describes the ``Model.options``
+it reads.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,7 @@ from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from twinkle_fn.megatron import parallel
+from twinkle_fn.megatron import grad_sync, parallel
 from twinkle_fn.megatron.bridge import hf_to_mcore
 from twinkle_fn.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.megatron.model import build_gpt_model
@@ -32,7 +34,14 @@ from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 
 PLACEMENT_ATTR = "twinkle_placement"  # set on every parameter by `prepare`
-_OWN_OPTIONS = ("num_micro_batches", "vocab_multiple", "use_te", "lora")
+_OWN_OPTIONS = (
+    "num_micro_batches",
+    "vocab_multiple",
+    "use_te",
+    "lora",
+    "overlap_grad_reduce",
+    "grad_bucket_size",
+)
 # TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
 _FIXED_FIELDS = (
     "tensor_model_parallel_size",
@@ -62,7 +71,9 @@ class MegatronPlacement:
     uses; ``live_grads``: the parameter tree of the `Grads` that owns the DDP grad buffers now
     (None when none does), so that stale gradients are refused instead of silently read;
     ``lora``: which linears carry LoRA adapters when the model trains adapters only
-    (``Model.options["lora"]``, see `twinkle_fn.megatron.lora`), else None.
+    (``Model.options["lora"]``, see `twinkle_fn.megatron.lora`), else None;
+    ``overlap_grad_reduce``: whether the DDP reduces gradients bucket by bucket during backward
+    (`twinkle_fn.megatron.grad_sync`) rather than all at once in ``step``.
     """
 
     mesh: Mesh
@@ -74,6 +85,7 @@ class MegatronPlacement:
     vocab_multiple: int
     live_grads: dict[str, Tensor] | None = None
     lora: LoraPlan | None = None
+    overlap_grad_reduce: bool = False
 
     @property
     def seq_multiple(self) -> int:
@@ -92,7 +104,8 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
     when the weights do not fit the model.
     """
-    num_micro_batches, vocab_multiple, use_te, overrides = _options(model.options, mesh)
+    opts = _options(model.options, mesh)
+    overrides = opts.overrides
     if getattr(model.module, "is_gradient_checkpointing", False):
         overrides = {**_FULL_RECOMPUTE, **overrides}
     _ensure_process_group(mesh)
@@ -101,26 +114,32 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     gpt = build_gpt_model(
         model.config,
         mesh,
-        use_te=use_te,
-        vocab_multiple=vocab_multiple,
+        use_te=opts.use_te,
+        vocab_multiple=opts.vocab_multiple,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         **overrides,
     )
-    load_hf_weights(gpt, model, mesh, vocab_multiple)
+    load_hf_weights(gpt, model, mesh, opts.vocab_multiple)
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
+    chunk = _ddp(gpt, wrapped, opts.overlap_grad_reduce, opts.grad_bucket_size)
+    if opts.overlap_grad_reduce:
+        grad_sync.check_overlappable(chunk)
+        # megatron's schedule reduces on the last micro-batch of a call only.
+        gpt.config.no_sync_func = chunk.no_sync
     placement = MegatronPlacement(
         mesh=mesh,
-        chunks=[_ddp(gpt, wrapped)],
+        chunks=[chunk],
         module=gpt,
         hf_config=model.config,
         compute_dtype=dtype,
-        num_micro_batches=num_micro_batches,
-        vocab_multiple=vocab_multiple,
+        num_micro_batches=opts.num_micro_batches,
+        vocab_multiple=opts.vocab_multiple,
         lora=plan,
+        overlap_grad_reduce=opts.overlap_grad_reduce,
     )
     for p in gpt.parameters():
         setattr(p, PLACEMENT_ATTR, placement)
@@ -138,8 +157,17 @@ def model_placement(model: Model) -> MegatronPlacement:
     return placement
 
 
-def _options(options: Mapping[str, Any], mesh: Mesh) -> tuple[int, int, bool | None, dict]:
-    """``(num_micro_batches, vocab_multiple, use_te, TransformerConfig overrides)``."""
+class _Options(NamedTuple):
+    num_micro_batches: int
+    vocab_multiple: int
+    use_te: bool | None
+    overrides: dict[str, Any]  # TransformerConfig fields
+    overlap_grad_reduce: bool
+    grad_bucket_size: int | None
+
+
+def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
+    """The backend's own options, checked, and the ``TransformerConfig`` overrides."""
     fixed = sorted(set(options) & set(_FIXED_FIELDS))
     if fixed:
         raise ValueError(
@@ -153,7 +181,15 @@ def _options(options: Mapping[str, Any], mesh: Mesh) -> tuple[int, int, bool | N
     for name, value in (("num_micro_batches", num), ("vocab_multiple", multiple)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"option {name} must be a positive int, got {value!r}")
-    return num, multiple, options.get("use_te"), overrides
+    overlap = options.get("overlap_grad_reduce", True)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"option overlap_grad_reduce must be a bool, got {overlap!r}")
+    bucket_size = options.get("grad_bucket_size")
+    if bucket_size is not None and (
+        isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+    ):
+        raise ValueError(f"option grad_bucket_size must be a positive int, got {bucket_size!r}")
+    return _Options(num, multiple, options.get("use_te"), overrides, overlap, bucket_size)
 
 
 def _ensure_process_group(mesh: Mesh) -> None:
@@ -235,21 +271,29 @@ def _load_local(
         )
 
 
-def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module) -> DistributedDataParallel:
+def _ddp(
+    gpt: torch.nn.Module, wrapped: torch.nn.Module, overlap: bool, bucket_size: int | None
+) -> DistributedDataParallel:
     """megatron's DDP around `wrapped`: fp32 grad buffers laid out for the distributed
-    optimizer, reductions when `step` asks for them (no overlap with backward)."""
+    optimizer in buckets of `bucket_size` elements (default: megatron's ``max(4e7, 1e6 * dp)``
+    with `overlap`, else one bucket), each reduced during backward with `overlap`, all of them
+    when `step` asks otherwise."""
+    dp_size = parallel_state.get_data_parallel_world_size(
+        with_context_parallel=True, partial_data_parallel=True
+    )
+    if overlap and bucket_size is None:
+        bucket_size = max(40_000_000, 1_000_000 * dp_size)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap,
         overlap_param_gather=False,
         use_distributed_optimizer=True,
+        bucket_size=bucket_size,
     )
     layout = DistributedOptimizer.compute_full_param_layout(
         [p for p in wrapped.parameters() if p.requires_grad],
-        None,
-        parallel_state.get_data_parallel_world_size(
-            with_context_parallel=True, partial_data_parallel=True
-        ),
+        bucket_size,
+        dp_size,
         ddp_config,
         expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size(
             partial_expert_data_parallel=True
