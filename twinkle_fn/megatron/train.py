@@ -309,9 +309,11 @@ def forward_backward(
 
     `chunks` are this rank's model chunks (one: virtual pipelining is refused), wrapped by
     megatron's DDP; their config must have ``calculate_per_token_loss`` (the schedule then
-    backpropagates token sums, unscaled) and no ``finalize_model_grads_func`` (gradients stay
-    this rank's local sums, in the DDP grad buffers, until the caller reduces them). Returns a
-    0-d float32 loss sum and a 0-d int64 count, broadcast from the last pipeline stage and
+    backpropagates token sums, unscaled) and no ``finalize_model_grads_func`` (the caller
+    finishes the reduction: gradients stay this rank's local sums in the DDP grad buffers, or,
+    with the DDP's ``overlap_grad_reduce`` and ``config.no_sync_func``, the last micro-batch's
+    backward starts their reduction bucket by bucket, see `twinkle_fn.megatron.grad_sync`).
+    Returns a 0-d float32 loss sum and a 0-d int64 count, broadcast from the last pipeline stage and
     summed over the context-parallel ranks (each saw its chunks of the same sequences), so that
     every rank of a data shard returns the same values. ``logps`` holds each micro-batch's
     per-token ``log p(label)`` (float32, 0 where the label is ignored), broadcast from the last
