@@ -9,10 +9,11 @@ weight to `twinkle_fn.losses.fused_linear_cross_entropy_sum`, which projects a c
 at a time and computes each chunk's loss and gradients at once (a Triton kernel on CUDA).
 
 `fused_loss_applies` says when the fused loss replaces `token_losses` (``GPTModel`` output
-processors both): ``config.cross_entropy_loss_fusion`` (megatron's switch for a fused
-cross entropy, which `twinkle_fn.megatron.config.transformer_config` turns on), tensor-parallel
-size 1, and megatron's plain bias-free output layer. Everything else (tp > 1, whose logits are
-split over ranks; deferred embedding weight gradients) keeps `token_losses`.
+processors both): tensor-parallel size 1 and megatron's plain bias-free output layer.
+Everything else (tp > 1, whose logits are split over ranks; deferred embedding weight
+gradients) keeps `token_losses`. The two agree to float rounding (``fused_loss_test``), so
+there is no switch: megatron's ``cross_entropy_loss_fusion`` stays megatron's own (its
+``GPTModel(labels=...)`` loss), which this backend does not use.
 
 The padded vocabulary (megatron pads it to a multiple of ``128 * tp``) is handled by slicing the
 output weight to the real vocabulary: padding rows take no softmax mass and get a zero gradient,
@@ -49,14 +50,13 @@ def fused_loss_applies(
 ) -> bool:
     """Whether `fused_token_losses` computes this micro-batch's loss (else `token_losses`).
 
-    True iff ``config.cross_entropy_loss_fusion`` is on, the tensor-parallel size is 1 (the
-    whole vocabulary is on this rank), `output_layer` is megatron's ``ColumnParallelLinear``
-    with no bias, and ``config.defer_embedding_wgrad_compute`` is off (it computes the output
-    weight's gradient outside autograd). `hidden_states` must be floating point.
+    True iff the tensor-parallel size is 1 (the whole vocabulary is on this rank),
+    `output_layer` is megatron's ``ColumnParallelLinear`` with no bias,
+    ``config.defer_embedding_wgrad_compute`` is off (it computes the output weight's gradient
+    outside autograd) and `hidden_states` are floating point.
     """
     return (
-        bool(config.cross_entropy_loss_fusion)
-        and parallel_state.get_tensor_model_parallel_world_size() == 1
+        parallel_state.get_tensor_model_parallel_world_size() == 1
         and isinstance(output_layer, tensor_parallel.ColumnParallelLinear)
         and output_layer.bias is None
         and not config.defer_embedding_wgrad_compute

@@ -34,7 +34,7 @@ def _config(dtype=torch.float32, **fields):
         num_attention_heads=1,
         params_dtype=dtype,
         use_cpu_initialization=True,
-        **{"cross_entropy_loss_fusion": True, **fields},
+        **fields,
     )
 
 
@@ -169,7 +169,6 @@ def test_fused_loss_applies_to_megatrons_bias_free_output_layer_only(megatron_wo
     layer = _output_layer(config)
     hidden = torch.zeros(SEQ, BATCH, HIDDEN)
     assert fused_loss_applies(config, layer, hidden)
-    assert not fused_loss_applies(_config(cross_entropy_loss_fusion=False), layer, hidden)
     assert not fused_loss_applies(config, torch.nn.Linear(HIDDEN, PADDED, bias=False), hidden)
     biased = tensor_parallel.ColumnParallelLinear(
         HIDDEN, PADDED, config=config, init_method=torch.nn.init.zeros_, bias=True
@@ -190,13 +189,10 @@ def test_a_vocabulary_larger_than_the_output_layer_is_refused(megatron_world):
         )
 
 
-def _fwd_bwd(hf_config, layout, fused):
+def _fwd_bwd(hf_config, layout):
     """Loss sum, per-token log-probs and gradients of one `tf.fwd_bwd` on the megatron backend."""
     model = tf.models.from_hf_config(
-        hf_config,
-        seed=0,
-        backend="megatron",
-        options={"num_micro_batches": 2, "cross_entropy_loss_fusion": fused},
+        hf_config, seed=0, backend="megatron", options={"num_micro_batches": 2}
     )
     state = tf.init(model, tf.optim.adamw(1e-3))
     feats = random_features(6, seed=3)
@@ -221,9 +217,10 @@ def test_a_models_loss_logps_and_gradients_do_not_change_with_the_fusion(
 
     monkeypatch.setattr(train, "fused_token_losses", counted)
     hf_config = tiny_config("qwen2", tie_word_embeddings=tied)
-    fused = _fwd_bwd(hf_config, layout, fused=True)
+    fused = _fwd_bwd(hf_config, layout)
     assert len(calls) == 2  # one per micro-batch
-    plain = _fwd_bwd(hf_config, layout, fused=False)
+    monkeypatch.setattr(train, "fused_loss_applies", lambda *args: False)
+    plain = _fwd_bwd(hf_config, layout)
     assert len(calls) == 2
     assert fused[0] == pytest.approx(plain[0], rel=1e-5)
     torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
