@@ -103,8 +103,12 @@ def transformer_config(
     (router + experts, dense layers from ``mlp_only_layers``): GQA, RMSNorm, SwiGLU, linear
     biases only where HF has them (Llama's ``attention_bias`` + ``mlp_bias``), dropout from the
     HF config (0 by default), parallel sizes and sequence parallelism from `mesh`, CPU
-    initialisation, per-token loss and variable sequence lengths. Any ``TransformerConfig``
-    field in `overrides` wins over the derived value.
+    initialisation, per-token loss and variable sequence lengths. With CUDA, fused kernels:
+    megatron's compiled SwiGLU (``bias_activation_fusion``) and bias-dropout-add
+    (``bias_dropout_fusion``) and the SDPA spec's compiled RMSNorm (``persist_layer_norm``,
+    see `twinkle_fn.megatron.spec.RMSNorm`; megatron's own local spec refuses it without
+    apex); set them False for the unfused ops. Any ``TransformerConfig`` field in `overrides`
+    wins over the derived value.
 
     Raises ``ValueError`` for an unknown family, an unknown override name, an unsupported
     architecture option, or a mesh size that does not divide the model (attention heads, kv
@@ -140,6 +144,7 @@ def transformer_config(
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     sliding = getattr(hf_config, "sliding_window", None) if family == "mistral" else None
     compute_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else params_dtype
+    on_cuda = torch.cuda.is_available()
     fields: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -171,6 +176,12 @@ def transformer_config(
         fp16=fp16,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
+        # torch.compile'd kernels (megatron's jit_fuser for SwiGLU and bias-dropout-add, the
+        # SDPA spec's RMSNorm for persist_layer_norm): CUDA only, where each replaces several
+        # memory-bound passes; compiling for the CPU costs more than it saves.
+        bias_activation_fusion=on_cuda,
+        bias_dropout_fusion=on_cuda,
+        persist_layer_norm=on_cuda,
         calculate_per_token_loss=True,
         variable_seq_lengths=True,
         # The only dispatcher that allows variable sequence lengths (megatron checks it even

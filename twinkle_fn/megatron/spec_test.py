@@ -212,6 +212,33 @@ def test_rms_norm_matches_transformers_and_marks_sequence_parallel():
         RMSNorm(_config(normalization="LayerNorm"), 16)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the norm is compiled on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rms_norm_matches_the_eager_one_forward_and_backward(dtype):
+    """Same ops, fused: the float32 statistics differ in summation order only (fp32: 1e-5),
+    and bf16 outputs may round the other way where that moves a value across a rounding
+    boundary (one bf16 ulp, 8e-3 relative); the gradients sum many such terms: 1e-2 of their
+    norm."""
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    x = torch.randn(64, 3, 2, 16, device="cuda", dtype=dtype)  # [s, b, heads, dim] (q/k norm)
+    grad = torch.randn_like(x)
+    outs = {}
+    for fused in (True, False):
+        norm = RMSNorm(_config(params_dtype=dtype, persist_layer_norm=fused), 16, eps=1e-5)
+        norm = norm.cuda()
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+        xi = x.clone().requires_grad_()
+        out = norm(xi)
+        out.backward(grad)
+        outs[fused] = (out.detach(), xi.grad, norm.weight.grad)
+        assert norm.fused == fused
+    torch.testing.assert_close(outs[True][0], outs[False][0], rtol=tol, atol=tol)
+    for got, want in zip(outs[True][1:], outs[False][1:], strict=True):
+        assert got.dtype == want.dtype == dtype
+        assert (got.float() - want.float()).norm() <= max(tol, 1e-2) * want.float().norm()
+
+
 def test_unsupported_attention_options_are_refused():
     cp2 = _config(context_parallel_size=2, window_size=(2, 0))
     with pytest.raises(ValueError, match="cp_comm_type='p2p'"):
