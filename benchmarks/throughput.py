@@ -399,8 +399,15 @@ def _mcore_step(setup: Setup, our_spec: bool) -> Step:
     from twinkle_fn.megatron.model import build_gpt_model, rope_settings
 
     cfg, mesh = setup.config, Mesh()
+    # megatron-core's own defaults for its fusions (all off), not the twinkle backend's (on with
+    # CUDA), so that these rows stay the raw baseline measured before the backend gained them.
     kw = dict(
-        params_dtype=torch.bfloat16, bf16=True, finalize_model_grads_func=finalize_model_grads
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        finalize_model_grads_func=finalize_model_grads,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
     )
     if our_spec:
         model = build_gpt_model(cfg, mesh, **kw)
