@@ -130,8 +130,9 @@ def megatron_optimizer(
 
 
 def _placement_of(params: Mapping[str, Tensor]) -> MegatronPlacement:
-    placements = {id(getattr(p, PLACEMENT_ATTR, None)) for p in params.values()}
-    placement = getattr(next(iter(params.values()), None), PLACEMENT_ATTR, None)
+    refs = [getattr(p, PLACEMENT_ATTR, None) for p in params.values()]
+    placements = {id(None if ref is None else ref()) for ref in refs}
+    placement = refs[0]() if refs and refs[0] is not None else None
     if placement is None or len(placements) != 1:
         raise TypeError(
             "megatron_optimizer needs the parameters of one model prepared by the megatron "

@@ -12,6 +12,7 @@ it reads.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -33,7 +34,7 @@ from twinkle_fn.megatron.safetensors_io import SafetensorsReader
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 
-PLACEMENT_ATTR = "twinkle_placement"  # set on every parameter by `prepare`
+PLACEMENT_ATTR = "twinkle_placement"  # a weakref set on every parameter by `prepare`
 _OWN_OPTIONS = (
     "num_micro_batches",
     "vocab_multiple",
@@ -99,7 +100,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
 
     Starts a one-rank process group when there is none and `mesh` has one rank, and
     megatron-core's parallel state (seed 0) unless it is already initialised for `mesh`; sets
-    the placement on every parameter as attribute `PLACEMENT_ATTR`. Raises ``ValueError`` for
+    a weak reference to the placement on every parameter as attribute `PLACEMENT_ATTR`. Raises ``ValueError`` for
     unknown options, a megatron-core already initialised for another mesh, or as
     ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
     when the weights do not fit the model.
@@ -141,8 +142,11 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         lora=plan,
         overlap_grad_reduce=opts.overlap_grad_reduce,
     )
+    # A weak reference: autograd's C++ nodes (megatron's grad hooks) hold the parameters, and a
+    # strong one would close a cycle through them that Python's gc cannot see, keeping the whole
+    # model alive after its last use. The `Model` holds the placement.
     for p in gpt.parameters():
-        setattr(p, PLACEMENT_ATTR, placement)
+        setattr(p, PLACEMENT_ATTR, weakref.ref(placement))
     return placement
 
 
