@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
@@ -55,3 +58,21 @@ def random_features(
         raw = [-100] * prompt + ids[prompt:]
         feats.append({"input_ids": ids, "labels": [*raw[1:], -100]})
     return feats
+
+
+def run_triton_interpreted(code: str, *args: str) -> None:
+    """Run Python `code` (with `args` as ``sys.argv[1:]``) in a fresh process under Triton's CPU
+    interpreter, so a kernel's logic is tested without a GPU.
+
+    A fresh process because ``TRITON_INTERPRET`` must be set before triton is first imported.
+    Raises ``AssertionError`` with the end of the child's stderr if it fails.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=os.environ | {"TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

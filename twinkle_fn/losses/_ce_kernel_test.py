@@ -1,11 +1,8 @@
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from twinkle_fn.losses import _ce_kernel, fused_linear_ce
+from twinkle_fn.testing import run_triton_interpreted
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # A float32 result differs from torch's only by the order of the sums and the hardware exp/log:
@@ -117,15 +114,7 @@ def interpreted(tmp_path_factory):
     TRITON_INTERPRET must be set before triton is first imported."""
     path = tmp_path_factory.mktemp("interpreted") / "results.pt"
     script = "import sys; from twinkle_fn.losses._ce_kernel_test import run_cases; run_cases(sys.argv[1])"
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(path)],
-        env=os.environ | {"TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_triton_interpreted(script, str(path))
     return torch.load(path)
 
 

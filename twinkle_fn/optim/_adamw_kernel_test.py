@@ -1,7 +1,5 @@
 import contextlib
 import math
-import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +7,7 @@ import torch
 
 from twinkle_fn.optim import _adamw_kernel, adamw, apply_updates
 from twinkle_fn.pytree import tree_map
+from twinkle_fn.testing import run_triton_interpreted
 
 CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (the kernel's real target)"
@@ -123,17 +122,9 @@ def check_all_interpreted() -> None:
 
 
 def test_interpreted_kernel_matches_foreach_and_float64_math():
-    # TRITON_INTERPRET must be set before triton is first imported: a fresh process.
-    script = "from twinkle_fn.optim._adamw_kernel_test import check_all_interpreted as c; c()"
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=os.environ | {"TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run_triton_interpreted(
+        "from twinkle_fn.optim._adamw_kernel_test import check_all_interpreted as c; c()"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_bad_operands_raise():
