@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
-from twinkle_fn.losses import LossOutput
+from twinkle_fn.losses import LossOutput, supervised_rows
 from twinkle_fn.models.lm_head import loss_mode
 from twinkle_fn.state import Grads, TrainState
 
@@ -67,19 +67,22 @@ def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
     """Token-summed causal-LM loss of `batch` under `state` (differentiable w.r.t. its params).
 
     Runs the module's own forward with its `FusedLMHead` in loss mode, so the head returns the
-    CE sum instead of logits.
+    CE sum instead of logits. The supervised tokens are found before the forward is queued: free
+    for CPU labels, and for device labels the one sync lands where the device has no work queued
+    behind it rather than mid-step.
     """
     model = state.model
     module = model.module
     bind(module, state.params, sharded=model.placement is not None)
     device = model.device
+    rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
     labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
     autocast = (
         torch.autocast(device.type, dtype=model.compute_dtype)
         if model.compute_dtype != torch.float32
         else contextlib.nullcontext()
     )
-    with autocast, loss_mode(module.get_output_embeddings(), labels):
+    with autocast, loss_mode(module.get_output_embeddings(), labels, rows):
         loss_sum = module(**model_inputs(batch, device), use_cache=False).logits
     return LossOutput(loss_sum, (labels != IGNORE_INDEX).sum())
 

@@ -151,15 +151,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         weight: Tensor,  # [vocab, hidden]
         bias: Tensor | None,  # [vocab]
         labels: Tensor,  # [tokens] int64, every entry in [0, vocab) where supervised
-        supervised: Tensor,  # [tokens] bool
+        rows: Tensor,  # [supervised tokens] int64, ascending flat indices
         chunk_size: int,
     ) -> tuple[Tensor, Tensor]:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         acc = accumulation_dtype(hidden.dtype)
         use_kernel = _kernel_applies(hidden)
-        # One host sync per call: the loop bounds depend on how many tokens are supervised.
-        # In exchange only supervised tokens are projected, so prompt and padding cost nothing.
-        rows = supervised.nonzero().squeeze(1)
         num_supervised = rows.numel()
         all_supervised = num_supervised == hidden.shape[0]
 
@@ -218,6 +215,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return *grads, None, None, None
 
 
+def supervised_rows(
+    labels: Tensor, ignore_index: int = -100, device: torch.device | str | None = None
+) -> Tensor:
+    """Flat indices ``[supervised tokens]`` (int64, ascending) of the labels not `ignore_index`.
+
+    Computed where `labels` are and then moved to `device` (default: the labels' device). The
+    count is data-dependent, so on an accelerator this reads it on the host (one device sync);
+    on CPU labels, which is where a data loader's batches start, it costs no sync at all. Pass
+    the result as `fused_linear_cross_entropy_sum`'s ``supervised_rows`` so that the loss, which
+    runs mid-step, does not stall the device queue: compute it before the forward is queued.
+    """
+    rows = (labels.reshape(-1) != ignore_index).nonzero().squeeze(1)
+    return rows if device is None else rows.to(device, non_blocking=True)
+
+
 def fused_linear_cross_entropy_sum(
     hidden: Tensor,
     weight: Tensor,
@@ -227,6 +239,7 @@ def fused_linear_cross_entropy_sum(
     ignore_index: int = -100,
     chunk_size: int = 4096,
     return_token_losses: bool = False,
+    supervised_rows: Tensor | None = None,
 ) -> LossOutput | TokenLossOutput:
     """Token-sum cross entropy of ``hidden @ weight.T (+ bias)`` without the full logits.
 
@@ -239,7 +252,8 @@ def fused_linear_cross_entropy_sum(
     Gradients flow to whichever of hidden, weight and bias require them (a frozen or LoRA head,
     a detached trunk); work for the others is skipped. A weight shared with the input embedding
     (tied embeddings) receives the sum of both gradients through autograd as usual.
-    Finding the supervised tokens reads their count on the host: one sync per call.
+    Finding the supervised tokens reads their count on the host: one device sync per call,
+    unless `supervised_rows` (from `supervised_rows`, computed before the forward) are passed.
 
     On CUDA with bfloat16, float16 or float32 inputs each chunk's softmax, loss and logits
     gradient run in one Triton kernel that overwrites the chunk's logits with their gradient;
@@ -257,6 +271,9 @@ def fused_linear_cross_entropy_sum(
         chunk_size: supervised tokens per chunk; larger is faster and uses more memory.
         return_token_losses: also return each token's cross entropy (its negated log p(label)),
             computed anyway, at no extra cost.
+        supervised_rows: ``supervised_rows(labels, ignore_index)`` computed earlier, on
+            hidden's device; it is trusted to match `labels` (checking would need the sync it
+            saves). None computes it here.
 
     Returns:
         ``LossOutput(loss_sum, num_tokens)``: loss_sum float32 (float64 for float64 inputs),
@@ -268,7 +285,9 @@ def fused_linear_cross_entropy_sum(
         ValueError: a shape, dtype or device mismatch between the arguments, non-integer labels,
             labels outside ``[0, vocab)`` other than ignore_index (checked for CPU labels only,
             see `validate_labels`; on CUDA such a label fails a device-side assertion on the
-            torch path and gives a NaN loss in the kernel), or chunk_size < 1.
+            torch path and gives a NaN loss in the kernel), chunk_size < 1, or
+            `supervised_rows` that are not a 1-d int64 tensor on hidden's device with at most
+            one row per token.
     """
     _validate(hidden, weight, bias, chunk_size)
     validate_labels(
@@ -278,17 +297,36 @@ def fused_linear_cross_entropy_sum(
         raise ValueError(f"labels are on {labels.device} but hidden is on {hidden.device}")
     flat_labels = labels.reshape(-1)
     supervised = flat_labels != ignore_index
+    if supervised_rows is None:
+        supervised_rows = supervised.nonzero().squeeze(1)
+    else:
+        _validate_rows(supervised_rows, hidden, flat_labels.numel())
     loss_sum, token_losses = _FusedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         bias,
         flat_labels.long(),
-        supervised,
+        supervised_rows,
         chunk_size,
     )
     if return_token_losses:
         return TokenLossOutput(loss_sum, supervised.sum(), token_losses.view(labels.shape))
     return LossOutput(loss_sum, supervised.sum())
+
+
+def _validate_rows(rows: Tensor, hidden: Tensor, num_tokens: int) -> None:
+    """Raise ValueError unless `rows` can be supervised row indices of `num_tokens` tokens."""
+    if rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(
+            f"supervised_rows must be 1-d int64 indices, got {rows.dtype} of shape "
+            f"{tuple(rows.shape)}; build them with supervised_rows(labels, ignore_index)"
+        )
+    if rows.device != hidden.device:
+        raise ValueError(f"supervised_rows are on {rows.device} but hidden is on {hidden.device}")
+    if rows.numel() > num_tokens:
+        raise ValueError(
+            f"{rows.numel()} supervised_rows for {num_tokens} tokens: they belong to other labels"
+        )
 
 
 def _validate(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int) -> None:

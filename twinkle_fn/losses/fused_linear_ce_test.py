@@ -11,7 +11,7 @@ from twinkle_fn.losses import (
     fused_linear_ce,
     fused_linear_cross_entropy_sum,
 )
-from twinkle_fn.losses.fused_linear_ce import TokenLossOutput
+from twinkle_fn.losses.fused_linear_ce import TokenLossOutput, supervised_rows
 from twinkle_fn.pytree import tree_leaves
 
 IGNORE = -100
@@ -305,6 +305,32 @@ def test_leading_dims_are_flattened():
     torch.testing.assert_close(nested, flat, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("ignore_fraction", [0.0, 0.4, 1.0])
+def test_precomputed_rows_give_the_same_loss_and_gradients(ignore_fraction):
+    hidden, weight, bias, labels = _problem(ignore_fraction=ignore_fraction)
+    rows = supervised_rows(labels, IGNORE)
+    assert rows.tolist() == [i for i, y in enumerate(labels.reshape(-1).tolist()) if y != IGNORE]
+    out, grads = _run(_fused, hidden, weight, labels, bias, chunk_size=5)
+    got, got_grads = _run(_fused, hidden, weight, labels, bias, chunk_size=5, supervised_rows=rows)
+    assert torch.equal(got.loss_sum, out.loss_sum) and torch.equal(got.num_tokens, out.num_tokens)
+    for a, b in zip(got_grads, grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (torch.zeros(4), "1-d int64"),
+        (torch.zeros(2, 2, dtype=torch.long), "1-d int64"),
+        (torch.arange(49), "49 supervised_rows for 48 tokens"),
+    ],
+)
+def test_bad_supervised_rows_raise(rows, message):
+    hidden, weight, bias, labels = _problem()
+    with pytest.raises(ValueError, match=message):
+        _fused(hidden, weight, labels, bias, supervised_rows=rows)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -438,3 +464,22 @@ def test_cuda_kernel_path_matches_the_torch_path(monkeypatch, dtype):
         leaf.requires_grad_(False)
     (kernel, _), (ref, _) = _both_paths(monkeypatch, leaves, labels)
     torch.testing.assert_close(kernel.token_losses, ref.token_losses, rtol=loss_rtol, atol=1e-5)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_with_precomputed_rows_never_syncs():
+    hidden, weight, bias, labels = _problem(dtype=torch.bfloat16)
+    hidden, weight, bias = (t.detach().cuda().requires_grad_() for t in (hidden, weight, bias))
+    rows = supervised_rows(labels, IGNORE, "cuda")  # from CPU labels: no device sync
+    labels = labels.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = _fused(hidden, weight, labels, bias, chunk_size=8, supervised_rows=rows)
+        out.loss_sum.backward()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            _fused(hidden, weight, labels, bias, chunk_size=8)  # counts its rows: a sync
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert hidden.grad is not None and torch.isfinite(out.loss_sum)

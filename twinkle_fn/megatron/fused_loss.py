@@ -72,6 +72,7 @@ def fused_token_losses(
     labels: Tensor,
     context: int,
     chunk_size: int = 4096,
+    supervised_rows: Tensor | None = None,
     **unused: Any,
 ) -> FusedLoss:
     """``GPTModel`` output processor: the token-summed loss and per-token losses, no full logits.
@@ -82,6 +83,8 @@ def fused_token_losses(
     the unpadded vocabulary size. The weight is cast to the hidden states' dtype when they
     differ (the autocast of megatron's output layer). With grad mode off (evaluation) no
     gradient work is done. `chunk_size` supervised tokens are projected at a time.
+    `supervised_rows`: `twinkle_fn.losses.supervised_rows` of ``labels.t()``, computed before the
+    forward (no mid-step device sync); None counts them here.
 
     Returns `FusedLoss`. Raises ``ValueError`` when `context` exceeds the output layer's rows,
     and as `twinkle_fn.losses.fused_linear_cross_entropy_sum` does (a label outside the
@@ -112,5 +115,6 @@ def fused_token_losses(
         ignore_index=IGNORE_INDEX,
         chunk_size=chunk_size,
         return_token_losses=True,
+        supervised_rows=supervised_rows,
     )
     return FusedLoss(out.loss_sum, out.token_losses.t())

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.microbatch import split_batch, split_features
+from twinkle_fn.losses import supervised_rows
 from twinkle_fn.megatron.context_parallel import (
     global_order,
     sequence_multiple,
@@ -57,13 +58,16 @@ class MicroBatch:
     ``input_ids``, ``position_ids`` and ``labels`` are int64 ``[b, s]`` (labels already shifted,
     -100 ignored; under context parallelism this rank's ``s // cp`` tokens). ``packed`` holds
     THD boundaries when the row packs several samples (then ``b == 1``; the global boundaries
-    under context parallelism), else None.
+    under context parallelism), else None. ``supervised_rows`` (set once on the device) are the
+    flat indices of the supervised labels in the ``[s, b]`` layout of the last stage's hidden
+    states, found before the forward so the fused loss does not sync the host mid-step.
     """
 
     input_ids: Tensor
     position_ids: Tensor
     labels: Tensor
     packed: PackedSeqParams | None = None
+    supervised_rows: Tensor | None = None
 
 
 def micro_batches(
@@ -229,6 +233,7 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
         mb.position_ids.to(device, non_blocking=True),
         mb.labels.to(device, non_blocking=True),
         packed,
+        supervised_rows(mb.labels.t(), IGNORE_INDEX, device),
     )
 
 
@@ -338,7 +343,7 @@ def forward_backward(
             None,
             labels=mb.labels,
             packed_seq_params=mb.packed,
-            output_processor=_output_losses,
+            output_processor=functools.partial(_output_losses, supervised_rows=mb.supervised_rows),
             output_processor_context=vocab_size,
         )
         return out, functools.partial(_loss_sum, mb.labels)

@@ -52,6 +52,20 @@ def test_padded_batches_split_by_row_and_pad_columns():
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("cp_rank", [None, 1])
+def test_supervised_rows_index_the_labels_in_the_hidden_states_layout(layout, cp_rank):
+    """The fused loss flattens the last stage's ``[s, b]`` hidden states: the rows found before
+    the forward are the supervised labels' places in that order, on each context-parallel rank."""
+    batch = pack(FEATS) if layout == "packed" else pad_collate(FEATS, pad_token_id=0)
+    cp = {} if cp_rank is None else {"cp_size": 2, "cp_rank": cp_rank}
+    for mb in micro_batches(batch, 2, seq_multiple=4, **cp):
+        flat = mb.labels.t().reshape(-1)
+        assert mb.supervised_rows.dtype == torch.int64
+        assert mb.supervised_rows.tolist() == (flat != -100).nonzero().squeeze(1).tolist()
+        assert 0 < mb.supervised_rows.numel() < flat.numel()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize(("n", "multiple"), [(1, 1), (2, 3), (3, 4)])
 def test_merge_logps_puts_micro_batch_values_back_into_the_batch_layout(layout, n, multiple):
     """Per-token values of the micro-batches (their labels here) come back in the batch's own

@@ -21,12 +21,13 @@ class FusedLMHead(torch.nn.Linear):
     """A linear head whose forward, inside `loss_mode`, returns ``loss_sum`` (0-d float32)."""
 
     _labels: torch.Tensor | None = None
+    _rows: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., vocab]``, or inside `loss_mode` the CE sum over the labelled tokens.
 
-        `hidden` is ``[batch, seq, hidden]``; the labels (``[batch, seq]``, already shifted) come
-        from `loss_mode`. Under autocast the projection runs in the autocast dtype, as a plain
+        `hidden` is ``[batch, seq, hidden]``; the labels (``[batch, seq]``, already shifted) and
+        their supervised rows come from `loss_mode`. Under autocast the projection runs in the autocast dtype, as a plain
         head's matmul would (the residual stream reaching the head is often float32 there); the
         softmax and the sums accumulate in float32 either way.
         """
@@ -39,7 +40,11 @@ class FusedLMHead(torch.nn.Linear):
         bias = None if self.bias is None else self.bias.to(dtype)
         with torch.autocast(device, enabled=False):
             out = fused_linear_cross_entropy_sum(
-                hidden.to(dtype), self.weight.to(dtype), self._labels, bias=bias
+                hidden.to(dtype),
+                self.weight.to(dtype),
+                self._labels,
+                bias=bias,
+                supervised_rows=self._rows,
             )
         return out.loss_sum
 
@@ -58,10 +63,16 @@ def fuse_lm_head(module: torch.nn.Module) -> FusedLMHead:
 
 
 @contextlib.contextmanager
-def loss_mode(head: FusedLMHead, labels: torch.Tensor) -> Iterator[None]:
-    """Within the block, `head` returns the CE sum of its input against `labels`."""
-    head._labels = labels
+def loss_mode(
+    head: FusedLMHead, labels: torch.Tensor, rows: torch.Tensor | None = None
+) -> Iterator[None]:
+    """Within the block, `head` returns the CE sum of its input against `labels`.
+
+    `rows`: the labels' `twinkle_fn.losses.supervised_rows`, computed before the forward so that
+    the loss needs no device sync mid-step; None has the loss count them itself.
+    """
+    head._labels, head._rows = labels, rows
     try:
         yield
     finally:
-        head._labels = None
+        head._labels, head._rows = None, None

@@ -36,12 +36,17 @@ def test_under_autocast_the_head_projects_in_the_autocast_dtype(monkeypatch):
 
     seen = {}
 
-    def spy(hidden, weight, labels, bias=None):
+    def spy(hidden, weight, labels, bias=None, supervised_rows=None):
         seen["dtypes"] = (hidden.dtype, weight.dtype)
+        seen["rows"] = supervised_rows
         return LossOutput(hidden.float().sum(), labels.numel())
 
     monkeypatch.setattr(lm_head, "fused_linear_cross_entropy_sum", spy)
     head = FusedLMHead(8, 5)
-    with torch.autocast("cpu", dtype=torch.bfloat16), loss_mode(head, torch.zeros(2, 3).long()):
+    rows = torch.arange(6)
+    labels = torch.zeros(2, 3).long()
+    with torch.autocast("cpu", dtype=torch.bfloat16), loss_mode(head, labels, rows):
         head(torch.randn(2, 3, 8))
     assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)
+    assert seen["rows"] is rows  # loss_mode's precomputed rows reach the fused loss
+    assert head._rows is None and head._labels is None
