@@ -93,9 +93,11 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
         data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
         mp = _mixed_precision(model.compute_dtype)
         for i, layer in enumerate(layers):
-            # The last layer's backward runs right after the forward: keep it unsharded.
+            # The last layer's backward runs right after the forward: keep it unsharded. Without
+            # an fsdp axis nothing is sharded: resharding would only copy the parameters in again.
             last = i == len(layers) - 1
-            fully_shard(layer, mesh=data_mesh, mp_policy=mp, reshard_after_forward=not last)
+            reshard = mesh.fsdp > 1 and not last
+            fully_shard(layer, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(module, mesh=data_mesh, mp_policy=mp)
         _prefetch(module, list(layers))
         for m in module.modules():

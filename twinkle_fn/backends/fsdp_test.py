@@ -182,3 +182,26 @@ def test_fp16_with_loss_scaling_on_fsdp2_tracks_one_process():
     ref_losses, _ = _train({}, precision="fp16", dtype=torch.float32)
     for losses, _ in spawn(_train_fp16, 2, {"fsdp": 2}):
         assert losses == pytest.approx(ref_losses, rel=2e-2)
+
+
+def _sharded_between_forward_and_backward(mesh_sizes):
+    """Per decoder layer: is its parameter sharded again between the forward and the backward?"""
+    from torch.distributed.tensor import DTensor
+
+    from twinkle_fn.backends import hf
+
+    state = _state(tf.Mesh(**mesh_sizes))
+    out = hf.loss_of(state, pack(random_features(2)))
+    layers = state.model.module.get_decoder().layers
+    sharded = [isinstance(layer.mlp.up_proj.weight, DTensor) for layer in layers]
+    out.loss_sum.backward()
+    return sharded
+
+
+@pytest.mark.parametrize(("name", "expected"), [("dp2", [False, False]), ("fsdp2", [True, False])])
+def test_only_an_fsdp_axis_reshards_layers_after_forward(name, expected):
+    """Sharding parameters again after the forward saves memory only when they are sharded; on
+    a dp-only mesh it would copy them in twice per step. The last layer never reshards (its
+    backward comes right after the forward)."""
+    for sharded in spawn(_sharded_between_forward_and_backward, 2, MESHES[name]):
+        assert sharded == expected

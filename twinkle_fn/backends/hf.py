@@ -42,6 +42,32 @@ def bind(module: torch.nn.Module, params: Mapping[str, torch.Tensor], sharded: b
             owner._parameters[leaf] = tensor
 
 
+def cast_residual_stream(module: torch.nn.Module) -> None:
+    """Under autocast, make the input embedding return the autocast dtype (idempotent).
+
+    Autocast casts matmul inputs but leaves elementwise ops alone, so float32 master weights
+    would make the residual stream, and with it every norm, rotary and residual add and the
+    activations saved for them, float32. FSDP2's mixed precision runs those in bf16 already
+    (it casts the parameters); this gives one process the same numerics and the halved bytes.
+    Outside autocast the embedding is untouched.
+    """
+    embedding = module.get_input_embeddings()
+    if getattr(embedding, "_twinkle_casts_output", False):
+        return
+    embedding.register_forward_hook(_to_autocast_dtype)
+    embedding._twinkle_casts_output = True
+
+
+def _to_autocast_dtype(
+    _module: torch.nn.Module, _args: tuple[object, ...], out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` ``[batch, seq, hidden]`` in the autocast dtype when autocast is on."""
+    kind = out.device.type
+    if torch.is_autocast_enabled(kind) and out.is_floating_point():
+        return out.to(torch.get_autocast_dtype(kind))
+    return out
+
+
 def model_inputs(
     batch: Mapping[str, torch.Tensor], device: torch.device
 ) -> dict[str, torch.Tensor]:

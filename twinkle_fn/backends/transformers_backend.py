@@ -27,9 +27,11 @@ class TransformersBackend:
         ``Model.options["compile_layers"]``: ``True`` or a dict of ``torch.compile`` arguments
         compiles each decoder layer (after the tp plan, before FSDP2 wraps it), fusing the
         norms, rotary embedding, SwiGLU and residual adds that eager mode runs one by one.
+        The residual stream runs in the compute dtype on any mesh (`hf.cast_residual_stream`).
         """
         if model.placement is not None:
             return model
+        hf.cast_residual_stream(model.module)
         if mesh.world_size == 1:
             fsdp.compile_layers(model)
             return model

@@ -23,6 +23,29 @@ def test_prepare_is_a_no_op_on_one_process_and_trainable_follows_requires_grad()
     assert "model.norm.weight" not in be.trainable(model)
 
 
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)]
+)
+def test_the_residual_stream_runs_in_the_compute_dtype(precision, dtype):
+    """Like FSDP2's mixed precision on several ranks: the decoder layers get compute-dtype
+    hidden states on one process too, while the master weights stay float32."""
+    model = tf.models.from_hf_config(tiny_config(), seed=0, device="cpu", precision=precision)
+    state = tf.init(model, tf.optim.sgd(0.1))
+    tf.init(model, tf.optim.sgd(0.1))  # preparing twice adds no second cast
+    seen = []
+    layer = model.module.get_decoder().layers[1]
+    layer.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(args[0].dtype), with_kwargs=True
+    )
+    tf.fwd_bwd(state, pack(random_features(2)))
+    assert seen == [dtype]
+    assert len(model.module.get_input_embeddings()._forward_hooks) == 1
+    assert all(p.dtype == torch.float32 for p in state.params.values())
+    with torch.no_grad():  # outside autocast the module is a plain float32 model
+        hidden = model.module.get_decoder()(torch.tensor([[1, 2, 3]])).last_hidden_state
+    assert hidden.dtype == torch.float32
+
+
 def test_update_normalises_by_the_token_count_once():
     """A batch's summed gradients divided by its token count are the mean-loss gradients."""
     be = TransformersBackend()
@@ -67,3 +90,22 @@ def test_compile_layers_rejects_other_values():
     model = tf.models.from_hf_config(tiny_config(), seed=0, options={"compile_layers": "yes"})
     with pytest.raises(TypeError, match="compile_layers must be True, False or a dict"):
         tf.init(model, tf.optim.adamw(1e-2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_training_step_on_cuda_never_syncs_the_host():
+    """fwd_bwd and step of a CPU batch queue all their work: nothing waits on the device, so the
+    host runs ahead (the loss's supervised rows are counted on the CPU, before the forward)."""
+    model = tf.models.from_hf_config(tiny_config(), seed=0, device="cuda", precision="bf16")
+    state = tf.init(model, tf.optim.adamw(1e-3))
+    batch = pack(random_features(4, seed=1))
+    state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads, _ = tf.fwd_bwd(state, batch)
+        state, info = tf.step(state, grads)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(info["loss"]) and torch.isfinite(info["grad_norm"])
