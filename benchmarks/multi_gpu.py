@@ -52,6 +52,7 @@ from benchmarks.throughput import (
     SHAPES,
     default_peak,
     flops_per_token,
+    host_batch,
     padded_batch,
     qwen25_config,
     time_steps,
@@ -408,7 +409,7 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
     global_batch = args.micro_batch * mesh.data_world_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (global_batch, args.seq), generator=gen)
-    batch = padded_batch(ids[mesh.get_slice(global_batch, rank())].to(device))
+    batch = host_batch(padded_batch(ids[mesh.get_slice(global_batch, rank())]), device)
 
     def step() -> torch.Tensor:
         grads, _ = tf.fwd_bwd(holder[0], batch)

@@ -10,7 +10,10 @@ summarises the trace per step:
   for its peer counts: it is time this rank could not compute);
 - ``overlapped``: of the NCCL kernels' time, the share during which a compute kernel also ran;
 - ``kernels_ms``: summed kernel time per kind (`KINDS`), which may exceed ``wall_ms`` where
-  streams overlap.
+  streams overlap;
+- ``exposed_by_kernel``: ``exposed_comm_ms`` split by NCCL kernel name (which collective waits);
+- ``gaps``: the longest stretches with no kernel running (``at_ms`` from the first kernel,
+  ``ms``, and the kernels either side): where the GPU waits for the host.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def summarise(kernels: list[dict[str, Any]], n: int) -> dict[str, Any]:
     in microseconds) covering `n` steps."""
     if not kernels:
         return {"wall_ms": 0.0, "busy": 0.0, "exposed_comm_ms": 0.0, "overlapped": 0.0}
+    kernels = sorted(kernels, key=lambda e: e["ts"])
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     is_comm = ["nccl" in e["name"].lower() for e in kernels]
     comm = union([s for s, c in zip(spans, is_comm, strict=True) if c])
@@ -94,16 +98,61 @@ def summarise(kernels: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "exposed_comm_ms": (comm_us - both_us) / (1e3 * n),
         "overlapped": both_us / comm_us if comm_us else 0.0,
         "kernels_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
+        "exposed_by_kernel": _exposed_by_kernel(kernels, is_comm, compute, n),
+        "gaps": _gaps(kernels),
     }
 
 
+def _exposed_by_kernel(
+    kernels: list[dict[str, Any]], is_comm: list[bool], compute: list[Span], n: int
+) -> dict[str, float]:
+    """ms per step of each NCCL kernel name's time with no compute kernel running."""
+    exposed: dict[str, float] = {}
+    for e, c in zip(kernels, is_comm, strict=True):
+        if c:
+            span = (e["ts"], e["ts"] + e["dur"])
+            alone = e["dur"] - intersection([span], compute)
+            exposed[e["name"]] = exposed.get(e["name"], 0.0) + alone / (1e3 * n)
+    return dict(sorted(exposed.items(), key=lambda kv: -kv[1]))
+
+
+def _gaps(kernels: list[dict[str, Any]], top: int = 4) -> list[dict[str, Any]]:
+    """The `top` longest idle stretches of `kernels` (sorted by start), longest first."""
+    start = kernels[0]["ts"]
+    found, end, last = [], start, kernels[0]
+    for e in kernels:
+        if e["ts"] > end:
+            at = (end - start) / 1e3
+            found.append(
+                {
+                    "at_ms": at,
+                    "ms": (e["ts"] - end) / 1e3,
+                    "after": last["name"],
+                    "before": e["name"],
+                }
+            )
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e
+    return sorted(found, key=lambda g: -g["ms"])[:top]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    """One line: wall, busy share, exposed NCCL and the kinds' kernel ms per step."""
+    """Wall, busy share, exposed NCCL and the kinds' kernel ms per step; then, one line each,
+    the collectives that waited longest exposed and the longest idle gaps."""
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in summary.get("kernels_ms", {}).items())
-    return (
+    lines = [
         f"{summary['wall_ms']:.1f} ms/step on the GPU, busy {100 * summary['busy']:.0f}%, "
         f"exposed nccl {summary['exposed_comm_ms']:.1f} ms; kernels ms/step: {kinds}"
-    )
+    ]
+    exposed = [(k, v) for k, v in summary.get("exposed_by_kernel", {}).items() if v >= 0.05]
+    if exposed:
+        lines.append("exposed: " + ", ".join(f"{k[:60]} {v:.2f} ms" for k, v in exposed[:4]))
+    for g in summary.get("gaps", []):
+        lines.append(
+            f"idle {g['ms']:.2f} ms at {g['at_ms']:.1f} ms: after {g['after'][:50]}, "
+            f"before {g['before'][:50]}"
+        )
+    return "\n  ".join(lines)
 
 
 def union(spans: list[Span]) -> list[Span]:

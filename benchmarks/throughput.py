@@ -11,7 +11,8 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
 - ``mcore_local``: raw megatron-core ``GPTModel`` with its local layer spec, bf16 parameters
   with the distributed optimizer's fp32 master copies, DDP, ``get_forward_backward_func``;
 - ``mcore_sdpa``: the same with twinkle's SDPA layer spec (`twinkle_fn.megatron.model`);
-- ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend, padded batch;
+- ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend, padded batch
+  handed over on the host (pinned), as a data loader would;
 - ``twinkle_fsdp_compiled``: the same with each decoder layer compiled (option
   ``compile_layers``; GPU only, like ``hf_compiled``);
 - ``twinkle_fsdp_compiled_ckpt``: the same with activation checkpointing of every decoder
@@ -509,7 +510,7 @@ def _twinkle_step(
             activation_checkpointing=activation_checkpointing,
         )
     holder = [tf.init(model, twinkle_optimizer(backend))]
-    batch = padded_batch(setup.input_ids)
+    batch = host_batch(padded_batch(setup.input_ids.cpu()), setup.device)
 
     def step() -> torch.Tensor:
         grads, _ = tf.fwd_bwd(holder[0], batch)
@@ -546,6 +547,14 @@ def padded_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
         "attention_mask": torch.ones_like(ids),
         "position_ids": torch.arange(seq, device=ids.device).expand(batch, seq),
     }
+
+
+def host_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`batch` on the host, as a data loader hands it over: in pinned memory when `device` is a
+    GPU, so each step's copy to the device is asynchronous (the step does not wait for it)."""
+    if device.type != "cuda":
+        return batch
+    return {k: v.pin_memory() for k, v in batch.items()}
 
 
 @contextlib.contextmanager

@@ -60,4 +60,16 @@ def test_summary_of_two_steps():
         "nccl": pytest.approx(4e-3),
         "triton": pytest.approx(2e-3),
     }
-    assert "busy 90%" in ps.format_summary(s)
+    assert s["exposed_by_kernel"] == {"ncclAllReduce": pytest.approx(3e-3)}
+    # the idle stretches, longest first: 9..11 between the steps; none inside a step
+    assert s["gaps"] == [
+        {
+            "at_ms": pytest.approx(9e-3),
+            "ms": pytest.approx(2e-3),
+            "after": "triton_b",
+            "before": "gemm_a",
+        }
+    ]
+    text = ps.format_summary(s)
+    assert "busy 90%" in text and "exposed: ncclAllReduce 0.00 ms" not in text
+    assert "idle 0.00 ms at 0.0 ms: after triton_b, before gemm_a" in text
