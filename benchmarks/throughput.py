@@ -554,7 +554,9 @@ def host_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     GPU, so each step's copy to the device is asynchronous (the step does not wait for it)."""
     if device.type != "cuda":
         return batch
-    return {k: v.pin_memory() for k, v in batch.items()}
+    # contiguous: an expanded tensor (position_ids) pinned as it is would be copied into a
+    # device tensor whose elements overlap
+    return {k: v.contiguous().pin_memory() for k, v in batch.items()}
 
 
 @contextlib.contextmanager
