@@ -80,6 +80,7 @@ def tree_clone(tree: PyTree) -> PyTree:
     return tree_map(clone_leaf, tree)
 
 
+@torch.no_grad()  # a statistic, not differentiated: DTensor.to_local skips autograd then
 def tree_global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
     """The `norm_type`-norm of all leaves taken as one flat vector, as a 0-d tensor.
 
