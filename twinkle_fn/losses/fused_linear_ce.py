@@ -25,13 +25,13 @@ dtype.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from twinkle_fn import _triton
 from twinkle_fn.losses.cross_entropy import LossOutput, accumulation_dtype, validate_labels
 
 
@@ -65,7 +65,7 @@ def _scale(grad: Tensor, scale: Tensor, dtype: torch.dtype, rows_per_step: int) 
 
 def _kernel_applies(hidden: Tensor) -> bool:
     """Whether the chunks' softmax runs in the Triton kernel (CUDA, a dtype it handles)."""
-    if hidden.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if hidden.device.type != "cuda" or not _triton.available():
         return False
     from twinkle_fn.losses import _ce_kernel  # imports triton: only paid on CUDA
 

@@ -26,13 +26,13 @@ master weights (Megatron's distributed optimizer does) rather than bf16 params w
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from twinkle_fn import _triton
 from twinkle_fn.optim.base import (
     GradientTransformation,
     Params,
@@ -172,7 +172,7 @@ def _kernel_applies(t: torch.Tensor) -> bool:
     tensor of a kernel dtype, with triton importable."""
     if isinstance(t, DTensor) or t.device.type != "cuda":
         return False
-    if importlib.util.find_spec("triton") is None:
+    if not _triton.available():
         return False
     from twinkle_fn.optim import _adamw_kernel  # imports triton: only paid on CUDA
 
