@@ -105,8 +105,8 @@ MESHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "megatron/tp2": ("megatron", "dense", {"tp": 2}, {}),
     "megatron/pp2": ("megatron", "dense", {"pp": 2}, {"num_micro_batches": 2}),
     "megatron/cp2": ("megatron", "dense", {"cp": 2}, {}),
-    "megatron/dp2": ("megatron", "dense", {"dp": 2}, {}),
-    "megatron/ep2": ("megatron", "moe", {"dp": 2, "ep": 2}, {}),
+    "megatron/dp2": ("megatron", "dense", {"dp": 2}, {"overlap_param_gather": True}),
+    "megatron/ep2": ("megatron", "moe", {"dp": 2, "ep": 2}, {"overlap_param_gather": True}),
     # four ranks (issue 8)
     "fsdp/fsdp4": ("fsdp", "dense", {"fsdp": 4}, {}),
     "fsdp/dp2xfsdp2": ("fsdp", "dense", {"dp": 2, "fsdp": 2}, {}),
@@ -121,20 +121,22 @@ MESHES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     ),
 }
 # speed row -> (backend, mesh sizes, backend options); a row's process count is its mesh's size.
-# The megatron rows reduce gradients bucket by bucket during backward (issue 7's overlap).
+# The megatron rows reduce gradients bucket by bucket during backward, and with dp > 1 gather
+# the distributed optimizer's parameters during the next forward (issue 7's overlap).
 _OVERLAP = {"overlap_grad_reduce": True}
+_OVERLAP_DP = {**_OVERLAP, "overlap_param_gather": True}
 SPEED_ROWS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "fsdp/1gpu": ("fsdp", {}, {}),
     "fsdp/dp2": ("fsdp", {"dp": 2}, {}),
     "fsdp/fsdp2": ("fsdp", {"fsdp": 2}, {}),
     "fsdp/tp2": ("fsdp", {"tp": 2}, {}),
     "megatron/1gpu": ("megatron", {}, _OVERLAP),
-    "megatron/dp2": ("megatron", {"dp": 2}, _OVERLAP),
+    "megatron/dp2": ("megatron", {"dp": 2}, _OVERLAP_DP),
     "megatron/tp2": ("megatron", {"tp": 2}, _OVERLAP),
     "fsdp/fsdp4": ("fsdp", {"fsdp": 4}, {}),
     "fsdp/dp2xfsdp2": ("fsdp", {"dp": 2, "fsdp": 2}, {}),
     "megatron/tp2xpp2": ("megatron", {"tp": 2, "pp": 2}, _OVERLAP),
-    "megatron/dp2xtp2": ("megatron", {"dp": 2, "tp": 2}, _OVERLAP),
+    "megatron/dp2xtp2": ("megatron", {"dp": 2, "tp": 2}, _OVERLAP_DP),
 }
 _PARITY_LR = 1e-3
 _GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512

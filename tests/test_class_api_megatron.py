@@ -433,7 +433,8 @@ def test_bad_calls_raise_clear_errors(model, call, match):
     "kwargs, match",
     [
         (dict(mixed_precision="fp8"), "mixed_precision must be one of"),
-        (dict(ddp_config={"overlap_param_gather": True}), "overlap_param_gather=True"),
+        (dict(ddp_config={"overlap_param_gather": "on"}), "overlap_param_gather='on'"),
+        (dict(ddp_config={"grad_reduce_in_fp32": False}), "grad_reduce_in_fp32=False"),
         (dict(ddp_config={"overlap_grad_reduce": "yes"}), "overlap_grad_reduce='yes'"),
         (dict(config=None), "needs model_id"),
     ],
@@ -467,7 +468,8 @@ def test_bad_adapters_are_refused(args, kwargs, match):
         model.add_adapter_to_model("b", LORA)
 
 
+@pytest.mark.parametrize("key", ["overlap_grad_reduce", "overlap_param_gather"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ddp_config_overlap_grad_reduce_reaches_the_core(overlap):
-    model = MegatronModel(config=tiny_config(), ddp_config={"overlap_grad_reduce": overlap})
-    assert model._model.options["overlap_grad_reduce"] is overlap
+def test_ddp_config_overlaps_reach_the_core(key, overlap):
+    model = MegatronModel(config=tiny_config(), ddp_config={key: overlap})
+    assert model._model.options[key] is overlap

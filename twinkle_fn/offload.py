@@ -30,6 +30,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor
 
+from twinkle_fn import backends
 from twinkle_fn.pytree import NAMESPACE
 from twinkle_fn.state import TrainState, _Donatable, _Donation
 
@@ -78,6 +79,7 @@ def offload(
     kinds = tuple(k for k, on in zip(KINDS, (params, grads, optimizer), strict=True) if on)
     if not kinds:
         raise ValueError("offload needs at least one of params, grads or optimizer set to True")
+    backends.get(state.model.backend).settle(state.model)  # nothing in flight into what moves
     tensors = {"params": _params, "grads": _grads, "optimizer": _optimizer}
     storages = _unique_storages(t for kind in kinds for t in tensors[kind](state))
     parked = tuple(_park(s) for s in storages)

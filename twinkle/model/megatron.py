@@ -58,9 +58,9 @@ _OPTIMIZER_ARGS = {
     "initial_loss_scale": "initial_loss_scale",
 }
 # What the core's DDP does (upstream's defaults); other values are refused. overlap_grad_reduce
-# is the core's option of that name (either value; the core overlaps by default).
+# and overlap_param_gather are the core's options of those names (either value).
+_CORE_OPTIONS = ("overlap_grad_reduce", "overlap_param_gather")
 _DDP_CONFIG = {
-    "overlap_param_gather": False,
     "grad_reduce_in_fp32": True,
     "use_distributed_optimizer": True,
 }
@@ -101,7 +101,7 @@ def _check_options(mixed_precision: str, ddp_config: Mapping[str, Any] | None) -
             f"mixed_precision must be one of {', '.join(_PRECISIONS)}, got {mixed_precision!r}"
         )
     for key, value in (ddp_config or {}).items():
-        if key == "overlap_grad_reduce" and isinstance(value, bool):
+        if key in _CORE_OPTIONS and isinstance(value, bool):
             continue
         if _DDP_CONFIG.get(key, object()) != value:
             raise ValueError(
@@ -133,8 +133,9 @@ class MegatronModel:
     mesh, else dp over the world) gives tp / pp / cp / ep / sequence_parallel; it must match
     the world. `mixed_precision`: ``'no'`` (fp32), ``'bf16'`` or ``'fp16'`` over fp32 master
     weights. `ddp_config`: ``overlap_grad_reduce`` (reduce gradients during backward; default on,
-    unlike upstream: the result is the same up to summation order), otherwise only upstream's
-    defaults (no param-gather overlap, fp32 grad reduce, distributed optimizer). `recompute_*`: megatron's activation recompute (granularity None: off).
+    unlike upstream: the result is the same up to summation order), ``overlap_param_gather``
+    (gather the distributed optimizer's parameters during the next forward; default off),
+    otherwise only upstream's defaults (fp32 grad reduce, distributed optimizer). `recompute_*`: megatron's activation recompute (granularity None: off).
     `param_offload` / `grad_offload` / `optimizer_offload`: after each optimizer step, park the
     parameters / megatron's gradient buffers / the optimizer's tensors in host memory until the
     next call that needs them (`twinkle_fn.offload`; for sharing the GPU with a rollout engine). Other
@@ -171,8 +172,7 @@ class MegatronModel:
         if model_id is None and config is None:
             raise ValueError("MegatronModel needs model_id=<dir or hub id> or config=")
         options = {**_recompute(recompute_granularity, recompute_method, recompute_num_layers)}
-        if "overlap_grad_reduce" in (ddp_config or {}):
-            options["overlap_grad_reduce"] = ddp_config["overlap_grad_reduce"]
+        options.update({k: v for k, v in (ddp_config or {}).items() if k in _CORE_OPTIONS})
         options.update(kwargs)
         self._model = _build.build_model(
             model_id,

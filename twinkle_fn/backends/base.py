@@ -47,6 +47,11 @@ class Backend(Protocol):
         """Release what a forward without backward left behind."""
         ...
 
+    def settle(self, model: Model) -> None:
+        """Finish what the last step still writes into the parameters in the background, before
+        they are read or written outside a forward."""
+        ...
+
     def unshard(self, state: TrainState) -> dict[str, torch.Tensor]:
         """The trainable parameters as whole tensors (a collective on several ranks)."""
         ...

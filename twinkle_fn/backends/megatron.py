@@ -35,10 +35,12 @@ those the mesh, the precision and the loss decide (parallel sizes, sequence para
 recomputes every layer in backward (megatron's full, uniform recompute of one layer at a time)
 unless the options say otherwise.
 
-Parameter all-gathers after megatron's optimizer step are not overlapped with the next forward
-(megatron's ``overlap_param_gather``): until that forward, ``state.params`` would hold stale
-values of the shards other ranks updated, and every reader of the state (``unshard``,
-checkpoints, offload, adapter export) would have to gather them first.
+``overlap_param_gather`` (default False, as in megatron): `step` leaves the distributed
+optimizer's parameter all-gathers in flight and the next forward waits for each bucket as it
+reaches it (`twinkle_fn.megatron.param_sync`). Until then ``state.params`` hold stale values of
+the shards other data ranks updated: the library's readers (``unshard``, checkpoints, offload,
+adapter export, a new optimizer's ``init``) call `MegatronBackend.settle` first, and so must
+code that reads ``state.params`` directly between a `step` and the next forward.
 
 Dropout draws from megatron-core's RNG streams, seeded once when megatron's parallel state is
 initialised (seed 0); the state's ``rng`` key advances with every step but does not reseed them.
@@ -69,7 +71,7 @@ from twinkle_fn.backends.megatron_placement import (
     place,
 )
 from twinkle_fn.losses import LossOutput
-from twinkle_fn.megatron import grad_sync, lora
+from twinkle_fn.megatron import grad_sync, lora, param_sync
 from twinkle_fn.megatron.bridge import mcore_to_hf
 from twinkle_fn.megatron.train import forward_backward, merge_logps, micro_batches
 from twinkle_fn.mesh import Mesh
@@ -168,6 +170,8 @@ class MegatronBackend:
         )
         if placement.overlap_grad_reduce:
             grad_sync.finish_backward(placement.chunks)
+        if placement.overlap_param_gather:
+            param_sync.finish(placement.chunks)  # the forward waited for every gather
         aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, "logps": _merged(batch, mbs, logps)}
         if accum is not None:
             loss_sum = accum.loss_sum + loss_sum
@@ -204,6 +208,10 @@ class MegatronBackend:
             grad_norm, opt = megatron_update(placement, opt, num_tokens)
         else:
             grad_norm, opt = _transform_update(state, placement, grads, num_tokens)
+        if placement.overlap_param_gather:
+            # a plain transform updated whole parameters on every rank: nothing to gather
+            sync = param_sync.start if isinstance(opt, MegatronOptState) else param_sync.finish
+            sync(placement.chunks)
         new = state.replace(opt_state=opt, step=state.step + 1, rng=next_key(state.rng))
         info = {
             "loss": (loss_sum / num_tokens.clamp(min=1)).float(),
@@ -216,6 +224,14 @@ class MegatronBackend:
     def after_eval(self, model: Model) -> None:
         """Nothing to release: megatron's forward keeps no gathered parameters."""
 
+    def settle(self, model: Model) -> None:
+        """Wait for the parameter all-gathers a `step` left in flight (``overlap_param_gather``),
+        so that the parameters can be read or written outside a forward. Raises ``ValueError``
+        for a model not prepared by this backend."""
+        placement = model_placement(model)
+        if placement.overlap_param_gather:
+            param_sync.finish(placement.chunks)
+
     def unshard(self, state: TrainState) -> dict[str, Tensor]:
         """Every parameter as a whole HF tensor, by HF checkpoint name (a collective).
 
@@ -225,6 +241,7 @@ class MegatronBackend:
         keyed as in a peft adapter file (`twinkle_fn.megatron.lora.adapter_state_dict`).
         """
         placement = model_placement(state.model)
+        self.settle(state.model)
         if placement.lora is not None:
             return lora.adapter_state_dict(state)
         mesh, rank = placement.mesh, dist.get_rank()

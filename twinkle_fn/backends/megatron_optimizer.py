@@ -21,6 +21,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch import Tensor
 
 from twinkle_fn.backends.megatron_placement import PLACEMENT_ATTR, MegatronPlacement
+from twinkle_fn.megatron import param_sync
 from twinkle_fn.optim import GradientTransformation, Schedule
 from twinkle_fn.optim.base import advance_counter, check_lr, check_nonnegative, lr_at
 from twinkle_fn.pytree import NAMESPACE
@@ -102,6 +103,9 @@ def megatron_optimizer(
 
     def init(params: Mapping[str, Tensor]) -> MegatronOptState:
         placement = _placement_of(params)
+        if placement.overlap_param_gather:
+            # its fp32 main parameters are copied from the model's: no gather may be in flight
+            param_sync.finish(placement.chunks)
         dtype = placement.compute_dtype
         config = OptimizerConfig(
             optimizer="adam",

@@ -26,7 +26,7 @@ from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from twinkle_fn.megatron import grad_sync, parallel
+from twinkle_fn.megatron import grad_sync, parallel, param_sync
 from twinkle_fn.megatron.bridge import hf_to_mcore
 from twinkle_fn.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.megatron.model import build_gpt_model
@@ -41,6 +41,7 @@ _OWN_OPTIONS = (
     "use_te",
     "lora",
     "overlap_grad_reduce",
+    "overlap_param_gather",
     "grad_bucket_size",
 )
 # TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
@@ -74,7 +75,9 @@ class MegatronPlacement:
     ``lora``: which linears carry LoRA adapters when the model trains adapters only
     (``Model.options["lora"]``, see `twinkle_fn.megatron.lora`), else None;
     ``overlap_grad_reduce``: whether the DDP reduces gradients bucket by bucket during backward
-    (`twinkle_fn.megatron.grad_sync`) rather than all at once in ``step``.
+    (`twinkle_fn.megatron.grad_sync`) rather than all at once in ``step``;
+    ``overlap_param_gather``: whether ``step`` leaves the distributed optimizer's parameter
+    all-gathers in flight, for the next forward to wait on (`twinkle_fn.megatron.param_sync`).
     """
 
     mesh: Mesh
@@ -87,6 +90,7 @@ class MegatronPlacement:
     live_grads: dict[str, Tensor] | None = None
     lora: LoraPlan | None = None
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
     @property
     def seq_multiple(self) -> int:
@@ -126,7 +130,9 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
-    chunk = _ddp(gpt, wrapped, opts.overlap_grad_reduce, opts.grad_bucket_size)
+    chunk = _ddp(gpt, wrapped, opts)
+    if opts.overlap_param_gather:
+        param_sync.enable(chunk)
     if opts.overlap_grad_reduce:
         grad_sync.check_overlappable(chunk)
         # megatron's schedule reduces on the last micro-batch of a call only.
@@ -141,6 +147,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         vocab_multiple=opts.vocab_multiple,
         lora=plan,
         overlap_grad_reduce=opts.overlap_grad_reduce,
+        overlap_param_gather=opts.overlap_param_gather,
     )
     # A weak reference: autograd's C++ nodes (megatron's grad hooks) hold the parameters, and a
     # strong one would close a cycle through them that Python's gc cannot see, keeping the whole
@@ -167,6 +174,7 @@ class _Options(NamedTuple):
     use_te: bool | None
     overrides: dict[str, Any]  # TransformerConfig fields
     overlap_grad_reduce: bool
+    overlap_param_gather: bool
     grad_bucket_size: int | None
 
 
@@ -186,14 +194,16 @@ def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"option {name} must be a positive int, got {value!r}")
     overlap = options.get("overlap_grad_reduce", True)
-    if not isinstance(overlap, bool):
-        raise ValueError(f"option overlap_grad_reduce must be a bool, got {overlap!r}")
+    gather = options.get("overlap_param_gather", False)
+    for name, value in (("overlap_grad_reduce", overlap), ("overlap_param_gather", gather)):
+        if not isinstance(value, bool):
+            raise ValueError(f"option {name} must be a bool, got {value!r}")
     bucket_size = options.get("grad_bucket_size")
     if bucket_size is not None and (
         isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
     ):
         raise ValueError(f"option grad_bucket_size must be a positive int, got {bucket_size!r}")
-    return _Options(num, multiple, options.get("use_te"), overrides, overlap, bucket_size)
+    return _Options(num, multiple, options.get("use_te"), overrides, overlap, gather, bucket_size)
 
 
 def _ensure_process_group(mesh: Mesh) -> None:
@@ -275,22 +285,22 @@ def _load_local(
         )
 
 
-def _ddp(
-    gpt: torch.nn.Module, wrapped: torch.nn.Module, overlap: bool, bucket_size: int | None
-) -> DistributedDataParallel:
+def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module, opts: _Options) -> DistributedDataParallel:
     """megatron's DDP around `wrapped`: fp32 grad buffers laid out for the distributed
-    optimizer in buckets of `bucket_size` elements (default: megatron's ``max(4e7, 1e6 * dp)``
-    with `overlap`, else one bucket), each reduced during backward with `overlap`, all of them
-    when `step` asks otherwise."""
+    optimizer in buckets of ``opts.grad_bucket_size`` elements (default: megatron's
+    ``max(4e7, 1e6 * dp)`` with either overlap, else one bucket), each reduced during backward
+    with ``opts.overlap_grad_reduce``, all of them when `step` asks otherwise; with
+    ``opts.overlap_param_gather`` each bucket's parameters are gathered asynchronously."""
     dp_size = parallel_state.get_data_parallel_world_size(
         with_context_parallel=True, partial_data_parallel=True
     )
-    if overlap and bucket_size is None:
+    bucket_size = opts.grad_bucket_size
+    if bucket_size is None and (opts.overlap_grad_reduce or opts.overlap_param_gather):
         bucket_size = max(40_000_000, 1_000_000 * dp_size)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=overlap,
-        overlap_param_gather=False,
+        overlap_grad_reduce=opts.overlap_grad_reduce,
+        overlap_param_gather=opts.overlap_param_gather,
         use_distributed_optimizer=True,
         bucket_size=bucket_size,
     )

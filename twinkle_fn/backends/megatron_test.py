@@ -25,10 +25,11 @@ from transformers.core_model_loading import revert_weight_conversion
 import twinkle_fn as tf
 from twinkle_fn.backends.hf import model_inputs
 from twinkle_fn.backends.megatron import evaluate_logps, megatron_optimizer
+from twinkle_fn.backends.megatron_placement import model_placement
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
 from twinkle_fn.losses import token_logps
-from twinkle_fn.megatron import parallel
+from twinkle_fn.megatron import parallel, param_sync
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
 
@@ -46,6 +47,7 @@ MESHES = {
     "tp2": ("qwen2", {"tp": 2}, {}, "packed"),
     "pp2": ("qwen2-tied", {"pp": 2}, {"num_micro_batches": 2}, "padded"),
     "dp2": ("qwen2", {"dp": 2}, {}, "packed"),
+    "dp2-gather": ("qwen2", {"dp": 2}, {"overlap_param_gather": True}, "packed"),
     "tp2-sp": ("qwen2", {"tp": 2, "sequence_parallel": True}, {}, "packed"),
     "ep2": ("qwen3_moe", {"dp": 2, "ep": 2}, {}, "packed"),
     "tp2-ep2-sp": ("qwen3_moe", {"tp": 2, "ep": 2, "sequence_parallel": True}, {}, "packed"),
@@ -190,6 +192,10 @@ def _two_ranks(weights_dir):
         results[name] = _train(model, sizes, options, layout)[0]
     # Context parallelism keeps whole parameters on every rank: a plain transform applies.
     results["cp2-plain-transform"] = _train("qwen2", {"cp": 2}, tx=_tx("fsdp"))[0]
+    results["gather-plain-transform"] = _train(
+        "qwen2", {"dp": 2}, {"overlap_param_gather": True}, tx=_tx("fsdp")
+    )[0]
+    results["in_flight"] = _gathers_in_flight()
     model = tf.models.from_pretrained(weights_dir, backend="megatron")
     state = tf.init(model, _tx("fsdp"), tf.Mesh(tp=2, sequence_parallel=True))
     loaded = tf.unshard(state)
@@ -200,6 +206,29 @@ def _two_ranks(weights_dir):
     except ValueError as e:
         refused = str(e)
     return results, loaded, refused
+
+
+def _gathers_in_flight():
+    """Parameter all-gathers in flight with ``overlap_param_gather``: after a step, after the
+    next forward, after a step and ``unshard``, after a step and ``offload``."""
+    mesh = tf.Mesh(dp=2)
+    model = _model("qwen2", "megatron", options={"overlap_param_gather": True})
+    state = tf.init(model, _tx("megatron"), mesh)
+    chunks = model_placement(state.model).chunks
+    feats = random_features(8, seed=5)[mesh.get_slice(8, rank())]
+    counts = []
+    for read in ("forward", "unshard", "offload"):
+        state, _ = tf.step(state, tf.fwd_bwd(state, pack(feats))[0])
+        counts.append(param_sync.in_flight(chunks))
+        if read == "forward":
+            tf.evaluate(state, pack(feats))
+        elif read == "unshard":
+            tf.unshard(state)
+        else:
+            state = tf.reload(tf.offload(state))
+        counts.append(param_sync.in_flight(chunks))
+    parallel.destroy()
+    return counts
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +356,14 @@ def test_a_plain_transform_runs_on_whole_parameters(one_process, two_ranks):
     for results, _, refused in two_ranks[1]:
         assert "needs whole parameters on every rank" in refused
         _assert_same_run(results["cp2-plain-transform"], one_process[1]["plain_transform"])
+
+
+def test_overlapped_parameter_gathers_are_waited_for_by_every_reader(one_process, two_ranks):
+    # One bucket group on this model: in flight after each step, settled by each reader.
+    for results, _, _ in two_ranks[1]:
+        assert results["in_flight"] == [1, 0, 1, 0, 1, 0]
+        # a plain transform updates whole parameters on every rank: nothing to gather
+        _assert_same_run(results["gather-plain-transform"], one_process[1]["plain_transform"])
 
 
 def test_one_process_starts_its_own_process_group(one_process):

@@ -83,6 +83,9 @@ class TransformersBackend:
         """See `twinkle_fn.backends.fsdp.reshard`."""
         fsdp.reshard(model)
 
+    def settle(self, model: Model) -> None:
+        """Nothing runs in the background after a step here."""
+
     def unshard(self, state: TrainState) -> dict[str, torch.Tensor]:
         """See `twinkle_fn.backends.fsdp.unshard`."""
         return fsdp.unshard(state.params)

@@ -161,13 +161,15 @@ def load_weights(state: TrainState, directory: str | Path) -> None:
     fp32 main parameters from them, so that the next step starts from the loaded weights; the
     optimizer's moments and step stay."""
     placement = model_placement(state.model)
+    MegatronBackend().settle(state.model)  # no gather may land on the loaded weights
     model = dataclasses.replace(state.model, weights_dir=Path(directory))
     load_hf_weights(placement.module, model, placement.mesh, placement.vocab_multiple)
     state.opt_state.optimizer.reload_model_params()
 
 
 def _checked(state: TrainState) -> tuple[MegatronPlacement, MegatronOptState]:
-    """`state`'s placement and optimizer state, if this module can checkpoint them."""
+    """`state`'s placement and optimizer state, if this module can checkpoint them, with the
+    parameters settled (no all-gather in flight to be read or overwritten)."""
     placement = model_placement(state.model)
     if placement.lora is not None:
         raise ValueError(
@@ -181,6 +183,7 @@ def _checked(state: TrainState) -> tuple[MegatronPlacement, MegatronOptState]:
             "state is not sharded the way megatron's dist_checkpointing expects); initialise "
             "the state with tf.init(model, megatron_optimizer(...), mesh)"
         )
+    MegatronBackend().settle(state.model)
     return placement, state.opt_state
 
 
