@@ -72,7 +72,10 @@ def _group_of(layout: _Layout, rank: int, axes: frozenset[str]) -> list[int]:
 class Mesh:
     """Sizes of every parallel axis; all rank math is pure.
 
-    ``dp`` replicates and ``fsdp`` shards (HSDP when both > 1); ``tp``, ``pp``, ``cp`` are
+    ``dp`` and ``fsdp`` split the data. ``dp`` keeps whole parameters for compute and shards
+    the optimizer state over the data ranks (megatron's distributed optimizer; ZeRO-2 on the
+    transformers backend); ``fsdp`` also shards the parameters between uses. With both > 1,
+    the state is sharded over ``fsdp`` and replicated over ``dp`` (HSDP). ``tp``, ``pp``, ``cp`` are
     tensor, pipeline and context parallelism; ``ep``/``etp`` are expert and expert-tensor
     parallelism, laid over the same world; ``sequence_parallel`` is Megatron's SP (needs tp > 1).
 

@@ -51,7 +51,7 @@ def check_options(
     if ddp_config:
         raise ValueError(
             f"ddp_config {dict(ddp_config)} is not supported: data parallelism is FSDP2 "
-            "replication through the core"
+            "through the core (dp alone shards gradients and optimizer state, ZeRO-2)"
         )
     if grad_scaler_config:
         raise ValueError(

@@ -2,9 +2,20 @@
 
 Tensor parallelism is DTensor's ``parallelize_module`` with the family's plan
 (`twinkle_fn.models.plans`); data parallelism is FSDP2's ``fully_shard`` per decoder layer and at
-the root, over the ``fsdp`` axis, replicated over ``dp`` (HSDP when both are > 1; plain DDP-like
-replication when only dp is). Gradients are reduced as *sums* (divide factor 1): the core
-normalises once by the global token count.
+the root:
+
+- ``fsdp`` alone shards parameters, gradients and optimizer state, and reshards each layer's
+  parameters after its forward (gathered again for its backward);
+- ``dp`` alone shards gradients and optimizer state over the data ranks, as megatron's
+  distributed optimizer does: parameters are gathered once per step and kept whole from forward
+  through backward (ZeRO-2). Against replicated DDP this reduce-scatters gradients and gathers
+  parameters instead of all-reducing gradients (fewer bytes over the wire) and steps the
+  optimizer on 1/dp of the parameters; the sums are the same;
+- both: shards over ``fsdp`` as above, replicated over ``dp`` (HSDP: parameter all-gathers stay
+  within an fsdp group).
+
+Gradients are reduced as *sums* (divide factor 1): the core normalises once by the global token
+count.
 """
 
 from __future__ import annotations
@@ -90,11 +101,11 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
             parallelize_module(layer, dm["tp"], styles)
     compile_layers(model)
     if mesh.data_world_size > 1:
-        data_mesh = dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
+        data_mesh = _data_mesh(dm, mesh)
         mp = _mixed_precision(model.compute_dtype)
         for i, layer in enumerate(layers):
-            # The last layer's backward runs right after the forward: keep it unsharded. Without
-            # an fsdp axis nothing is sharded: resharding would only copy the parameters in again.
+            # The last layer's backward runs right after the forward: keep it unsharded. dp alone
+            # keeps every layer whole until its backward (ZeRO-2).
             last = i == len(layers) - 1
             reshard = mesh.fsdp > 1 and not last
             fully_shard(layer, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -107,6 +118,14 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 m.set_force_sum_reduction_for_comms(True)
     placement = Placement(mesh, dm, _dp_group(mesh))
     return dataclasses.replace(model, placement=placement)
+
+
+def _data_mesh(dm: DeviceMesh, mesh: Mesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D over fsdp, or over dp when it is the only data axis;
+    2-D (replicate over dp, shard over fsdp) when both are > 1."""
+    if mesh.fsdp == 1:
+        return dm["dp"]
+    return dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
 
 
 def _prefetch(root: FSDPModule, layers: list[FSDPModule]) -> None:

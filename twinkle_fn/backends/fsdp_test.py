@@ -83,7 +83,7 @@ def _shards_and_specs(mesh_sizes):
     return mismatched, all(torch.equal(back[n], full[n]) for n in full)
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "fsdp2xtp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2xtp2", "dp2", "dp2xtp2"])
 def test_local_specs_predict_every_rank_shard_and_unshard_inverts(name):
     world = tf.Mesh(**MESHES[name]).world_size
     for mismatched, round_trip in spawn(_shards_and_specs, world, MESHES[name]):

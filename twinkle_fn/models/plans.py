@@ -109,16 +109,18 @@ def with_lora(plan: Mapping[str, str], module_names: Iterable[str]) -> dict[str,
 
 
 def param_specs(names: Iterable[str], config: PretrainedConfig, mesh: Mesh) -> dict[str, Specs]:
-    """Each parameter's sharding on `mesh`: its tp split (from the plan), then fsdp's dim-0 split.
+    """Each parameter's sharding on `mesh`: its tp split (from the plan), then the data split.
 
     Parameters outside the plan (embeddings, norms, the lm_head, MoE experts) are replicated over
-    tp. Every parameter is split over ``fsdp`` on dim 0 of its tp-local tensor, as FSDP2 does.
+    tp. Every parameter is split on dim 0 of its tp-local tensor, as FSDP2 does, over ``fsdp``,
+    or over ``dp`` when that is the only data axis (`twinkle_fn.backends.fsdp`'s ZeRO-2).
     """
     plan = tp_plan(config, mesh.tp)
+    data = ShardSpec(0, "dp" if mesh.fsdp == 1 and mesh.dp > 1 else "fsdp")
     specs = {}
     for name in names:
         tp_spec = _tp_spec(plan, name)
-        specs[name] = (tp_spec, ShardSpec(0, "fsdp")) if tp_spec else (ShardSpec(0, "fsdp"),)
+        specs[name] = (tp_spec, data) if tp_spec else (data,)
     return specs
 
 

@@ -31,6 +31,15 @@ def test_specs_follow_the_plan_then_fsdp():
     assert specs[names[4]] == (fsdp,) and specs[names[5]] == (fsdp,)
 
 
+@pytest.mark.parametrize(
+    ("sizes", "axis"),
+    [({"dp": 2}, "dp"), ({"dp": 2, "tp": 2}, "dp"), ({"dp": 2, "fsdp": 2}, "fsdp"), ({}, "fsdp")],
+)
+def test_the_data_split_is_over_dp_only_when_it_is_the_only_data_axis(sizes, axis):
+    specs = param_specs(["model.norm.weight"], tiny_config("qwen2"), Mesh(**sizes))
+    assert specs["model.norm.weight"] == (ShardSpec(0, axis),)
+
+
 def test_moe_experts_are_not_tp_split():
     specs = param_specs(
         ["model.layers.0.mlp.experts.gate_up_proj"], tiny_config("qwen3_moe"), Mesh(tp=2)
