@@ -55,10 +55,15 @@ def enable(chunk: DistributedDataParallel) -> None:
 
 def start(chunks: Sequence[DistributedDataParallel]) -> None:
     """Dispatch every bucket's parameter all-gather asynchronously (after the optimizer wrote
-    this rank's shards into the parameter buffers). A collective over the data ranks."""
+    this rank's shards into the parameter buffers), in the order the forward needs them. A
+    collective over the data ranks."""
     finish(chunks)
-    for group in _bucket_groups(chunks):
-        group.start_param_sync()
+    for chunk in chunks:
+        for groups in (chunk.bucket_groups, chunk.expert_parallel_bucket_groups):
+            # megatron lays buckets out in backward order: the forward needs the last one first,
+            # and a communicator runs its gathers one after another
+            for group in reversed(groups):
+                group.start_param_sync()
 
 
 def finish(chunks: Sequence[DistributedDataParallel]) -> None:

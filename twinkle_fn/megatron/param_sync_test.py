@@ -6,6 +6,8 @@ bit-identical; the gathers only move in time. Several buckets (``grad_bucket_siz
 the next forward waits for each bucket's gather, in the order it uses them.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -76,3 +78,24 @@ def test_every_bucket_is_in_flight_after_a_step_and_none_without_overlap(runs):
 def test_a_ddp_without_overlap_is_refused(runs):
     for (*_, refused), _ in runs:
         assert "overlap_param_gather=True" in refused
+
+
+class _Group:
+    def __init__(self, name, started):
+        self.name, self.started = name, started
+        self.param_gather_handle, self.param_gather_dispatched = None, False
+
+    def start_param_sync(self):
+        self.started.append(self.name)
+        self.param_gather_handle = object()
+
+
+def test_gathers_are_dispatched_in_forward_order():
+    """megatron's buckets are in backward order; the forward needs the last one first."""
+    started = []
+    dense = [_Group(f"dense{i}", started) for i in range(3)]
+    expert = [_Group(f"expert{i}", started) for i in range(2)]
+    chunk = SimpleNamespace(bucket_groups=dense, expert_parallel_bucket_groups=expert)
+    param_sync.start([chunk])
+    assert started == ["dense2", "dense1", "dense0", "expert1", "expert0"]
+    assert param_sync.in_flight([chunk]) == 5
