@@ -50,3 +50,9 @@ def test_four_rank_meshes_on_cpu():
     for name, row in result["parity"].items():
         assert row["status"] == "ok", (name, row)
         assert row["pass"] and row["max_rel"] < 1e-3, (name, row)
+
+
+def test_the_param_gather_row_runs_only_when_named():
+    rows = multi_gpu.default_speed_rows(2)
+    assert "megatron/dp2" in rows and "megatron/dp2-gather" not in rows
+    assert multi_gpu.SPEED_ROWS["megatron/dp2-gather"][2]["overlap_param_gather"] is True
