@@ -32,7 +32,6 @@ machine without GPUs it runs on gloo, which is what the CPU test uses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -171,11 +170,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # One world per row: a row run after another in the same processes measured up to
             # 28% slower (the earlier row's communicators and cached blocks stay behind).
             rows: dict[str, Any] = {}
+            _speed_header()
             for i, row in enumerate(args.speed):
                 out = Path(tmp, f"speed{i}.json")
                 got = _launch(_row_world(row), args, ["--rows", row], out)
                 rows[row] = got.get(row, got.get("_world", {"status": "error", "error": "not run"}))
-            result["speed"] = _speed_table(args.speed, rows)
+                _speed_line(row, rows[row], rows)
+            result["speed"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
@@ -275,33 +276,35 @@ def _parity_table(
     return table
 
 
-def _speed_table(rows: list[str], got: dict[str, Any]) -> dict[str, Any]:
+def _speed_header() -> None:
     print(f"\nspeed ({MFU_FORMULA}, peak per GPU x GPUs)")
     print(
         f"{'row':<15} {'gpus':>4} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'x 1gpu':>7} "
-        f"{'comm ms':>8} {'overlapped':>10} {'exposed ms':>10} {'busy':>6}"
+        f"{'comm ms':>8} {'overlapped':>10} {'exposed ms':>10} {'busy':>6}",
+        flush=True,
     )
-    table = {}
-    for name in rows:
-        row = got.get(name, got.get("_world", {"status": "error", "error": "not run"}))
-        table[name] = row
-        if row.get("status") != "ok":
-            print(f"{name:<15} error: {row.get('error', '')[:200]}")
-            continue
-        base = got.get(f"{SPEED_ROWS[name][0]}/1gpu", {})
-        scale = row["tokens_per_s"] / base["tokens_per_s"] if base.get("status") == "ok" else None
-        row["scaling"] = scale
-        overlap = row.get("overlap") or {}
-        print(
-            f"{name:<15} {row['gpus']:>4} {row['tokens_per_s']:>10,.0f} "
-            f"{_pct(row.get('mfu')):>6} {_num(row.get('peak_mem_gib'), '.1f'):>9} "
-            f"{_num(scale, '.2f'):>7} {_num(overlap.get('comm_ms'), '.1f'):>8} "
-            f"{_pct(overlap.get('overlapped')):>10} {_num(overlap.get('exposed_comm_ms'), '.1f'):>10} "
-            f"{_pct(overlap.get('busy')):>6}"
-        )
-        if overlap:
-            print(f"  {format_summary(overlap)}")
-    return table
+
+
+def _speed_line(name: str, row: dict[str, Any], done: dict[str, Any]) -> None:
+    """Print speed row `name` (adding its ``scaling`` against its backend's one-GPU row among
+    the rows `done`), as soon as its world has finished: a run cut short keeps what it printed."""
+    if row.get("status") != "ok":
+        print(f"{name:<15} error: {row.get('error', '')[:200]}", flush=True)
+        return
+    base = done.get(f"{SPEED_ROWS[name][0]}/1gpu", {})
+    scale = row["tokens_per_s"] / base["tokens_per_s"] if base.get("status") == "ok" else None
+    row["scaling"] = scale
+    overlap = row.get("overlap") or {}
+    print(
+        f"{name:<15} {row['gpus']:>4} {row['tokens_per_s']:>10,.0f} "
+        f"{_pct(row.get('mfu')):>6} {_num(row.get('peak_mem_gib'), '.1f'):>9} "
+        f"{_num(scale, '.2f'):>7} {_num(overlap.get('comm_ms'), '.1f'):>8} "
+        f"{_pct(overlap.get('overlapped')):>10} {_num(overlap.get('exposed_comm_ms'), '.1f'):>10} "
+        f"{_pct(overlap.get('busy')):>6}"
+    )
+    if overlap:
+        print(f"  {format_summary(overlap)}")
+    sys.stdout.flush()
 
 
 def _pct(x: float | None) -> str:
@@ -349,13 +352,14 @@ def _guarded(fn: Any, name: str, args: argparse.Namespace, device: torch.device)
 
 
 def _leave_megatron() -> None:
-    with contextlib.suppress(ImportError):
-        from megatron.core import parallel_state
+    if "megatron.core" not in sys.modules:  # a world of transformers rows never imports it
+        return
+    from megatron.core import parallel_state
 
-        from twinkle_fn.megatron import parallel
+    from twinkle_fn.megatron import parallel
 
-        if parallel_state.model_parallel_is_initialized():
-            parallel.destroy()
+    if parallel_state.model_parallel_is_initialized():
+        parallel.destroy()
 
 
 def _parity_config(model: str, tiny: bool) -> Any:
