@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,8 @@ def _speed_line(name: str, row: dict[str, Any], done: dict[str, Any]) -> None:
     )
     if overlap:
         print(f"  {format_summary(overlap)}")
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in row.get("phases_s", {}).items())
+    print(f"  phases: {phases}")
     sys.stdout.flush()
 
 
@@ -413,7 +416,12 @@ def _parity_optimizer(backend: str) -> tf.optim.GradientTransformation:
 
 
 def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Tokens/s, MFU and peak memory of speed row `name`; a profile of the overlap when dp > 1."""
+    """Tokens/s, MFU and peak memory of speed row `name`; a profile of the overlap when dp > 1.
+
+    ``phases_s``: seconds spent building the model and state, in the warm-up and timed steps, and
+    profiling (where a world's time goes against the device's per-call limit).
+    """
+    started = time.perf_counter()
     backend, sizes, options = SPEED_ROWS[name]
     mesh = tf.Mesh(**sizes)
     config = qwen25_config(args.shape)
@@ -431,7 +439,9 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
         holder[0], info = tf.step(holder[0], grads)
         return info["loss"]
 
+    built = time.perf_counter()
     seconds, first, last = time_steps(step, 3, args.timed, device)
+    timed = time.perf_counter()
     tokens_per_s = global_batch * args.seq / seconds
     peak = default_peak(device)
     row = {
@@ -455,6 +465,11 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
             else Path(args.trace, f"{name.replace('/', '_')}.{rank()}.json.gz")
         )
         row["overlap"] = profile_steps(step, trace=trace)
+    row["phases_s"] = {
+        "build": built - started,
+        "steps": timed - built,
+        "profile": time.perf_counter() - timed,
+    }
     return row
 
 

@@ -36,6 +36,8 @@ def test_two_process_run_on_cpu(tmp_path):
         assert row["max_rel"] < 1e-3, (name, row)
     for name, row in result["speed"].items():
         assert row["status"] == "ok" and row["tokens_per_s"] > 0, (name, row)
+        phases = row["phases_s"]
+        assert phases.keys() == {"build", "steps", "profile"} and min(phases.values()) >= 0
     assert result["speed"]["fsdp/dp2"]["global_batch"] == 4
     assert result["speed"]["fsdp/dp2"]["scaling"] > 0
     assert (tmp_path / "out.json").exists()
