@@ -28,10 +28,12 @@ import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-__all__ = ["begin_backward", "check_overlappable", "finish_backward"]
+__all__ = ["begin_backward", "bucket_groups", "check_overlappable", "finish_backward"]
 
 
-def _bucket_groups(chunks: Sequence[DistributedDataParallel]) -> Iterator[Any]:
+def bucket_groups(chunks: Sequence[DistributedDataParallel]) -> Iterator[Any]:
+    """Every bucket group of `chunks`' DDPs, dense then expert-parallel, in megatron's (backward)
+    order."""
     for chunk in chunks:
         yield from chunk.bucket_groups
         yield from chunk.expert_parallel_bucket_groups
@@ -52,7 +54,7 @@ def check_overlappable(chunk: DistributedDataParallel) -> None:
             "overlap_grad_reduce=True supports one distributed-optimizer instance, got "
             f"{cfg.num_distributed_optimizer_instances}; set overlap_grad_reduce=False"
         )
-    for group in _bucket_groups([chunk]):
+    for group in bucket_groups([chunk]):
         if any(b.params_with_extra_main_grads for b in group.buckets):
             raise ValueError(
                 "overlap_grad_reduce=True needs every gradient accumulated in megatron's grad "
@@ -81,7 +83,7 @@ def begin_backward(
         chunk.force_all_reduce = all_reduce
         if not accumulate:
             # A call that raised mid-backward may have left a reduction in flight.
-            for group in _bucket_groups([chunk]):
+            for group in bucket_groups([chunk]):
                 if group.grad_reduce_handle is not None:
                     group.grad_reduce_handle.wait()
                     group.grad_reduce_handle = None
@@ -89,7 +91,7 @@ def begin_backward(
     if not accumulate:
         return
     with torch.no_grad():
-        for group in _bucket_groups(chunks):
+        for group in bucket_groups(chunks):
             size = group.intra_distributed_optimizer_instance_size
             rank = group.intra_distributed_optimizer_instance_rank
             for bucket in group.buckets:
@@ -115,7 +117,7 @@ def finish_backward(chunks: Sequence[DistributedDataParallel]) -> None:
     """
     early = []
     for chunk in chunks:
-        for group in _bucket_groups([chunk]):
+        for group in bucket_groups([chunk]):
             if group.grad_reduce_finished:
                 continue
             if not group.is_first_batch:

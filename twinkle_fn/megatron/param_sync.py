@@ -22,18 +22,13 @@ parameters on every rank, nothing needs gathering, which `finish` records.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from megatron.core.distributed import DistributedDataParallel
 
+from twinkle_fn.megatron.grad_sync import bucket_groups
+
 __all__ = ["enable", "finish", "in_flight", "start"]
-
-
-def _bucket_groups(chunks: Sequence[DistributedDataParallel]) -> Iterator[Any]:
-    for chunk in chunks:
-        yield from chunk.bucket_groups
-        yield from chunk.expert_parallel_bucket_groups
 
 
 def enable(chunk: DistributedDataParallel) -> None:
@@ -72,7 +67,7 @@ def finish(chunks: Sequence[DistributedDataParallel]) -> None:
     On NCCL the wait orders the current stream after the gathers without blocking the host.
     Idempotent; no collective is started.
     """
-    for group in _bucket_groups(chunks):
+    for group in bucket_groups(chunks):
         if group.param_gather_handle is not None:
             group.param_gather_handle.wait()
             group.param_gather_handle = None
@@ -81,4 +76,4 @@ def finish(chunks: Sequence[DistributedDataParallel]) -> None:
 
 def in_flight(chunks: Sequence[DistributedDataParallel]) -> int:
     """How many bucket groups have a parameter all-gather dispatched and not yet waited for."""
-    return sum(group.param_gather_handle is not None for group in _bucket_groups(chunks))
+    return sum(group.param_gather_handle is not None for group in bucket_groups(chunks))
