@@ -1,16 +1,17 @@
 """Parity and scaling across GPUs (issue 7): every parallel mesh against one GPU, in one command.
 
-One run launches four ``torchrun`` worlds one after another (a world per process count keeps
+One run launches ``torchrun`` worlds (a world per process count, and per speed row, keeps
 megatron-core's global state and NCCL communicators of one measurement away from the next):
 
 1. **parity reference**, one process: a few bf16 training steps of each small model alone;
-2. **parity meshes**, ``--nproc`` processes: the same steps on every mesh of ``--meshes``
+2. beside it, **parity meshes**, ``--nproc`` processes: the same steps on every mesh of ``--meshes``
    (default: those of ``--nproc`` ranks. Two: transformers backend dp2, fsdp2, tp2; megatron
    backend tp2, pp2, cp2, dp2 with the distributed optimizer, and ep2 on a small Qwen3-MoE.
    Four (issue 8): fsdp4, dp2 x fsdp2; megatron tp2 x pp2, dp2 x tp2, and ep4, ep2 x tp2 on the
    MoE with 8 experts), each rank on its data slice of the same global batches; every step's
    loss is compared with the reference's;
-3. **speed on one process** and 4. **speed on ``--nproc``**: tokens/s, MFU and peak memory of a
+3. **speed on one process** (the one-GPU rows at once, each on its own GPU) and 4. **speed on
+   ``--nproc``**, a world per row: tokens/s, MFU and peak memory of a
    Qwen2.5-shaped model (``--shape``, ``--seq``; ``--micro-batch`` rows per data rank), and for
    the data-parallel rows a profile of two steps that says how much of the communication kernels'
    time ran while a compute kernel was running (the overlap).
@@ -147,7 +148,7 @@ _GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Launch the four worlds, print the parity and speed tables and return (and write) them."""
+    """Launch the worlds, print the parity and speed tables and return (and write) them."""
     args = _parser().parse_args(argv)
     if args.meshes is None:
         args.meshes = [m for m in MESHES if _mesh_world(m) == args.nproc]
@@ -163,20 +164,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory() as tmp:
         if args.meshes:
+            # The reference's process runs beside the meshes' world: parity is not timed, and
+            # the two worlds' models are small.
             references = sorted({_reference(m) for m in args.meshes})
-            ref = _launch(1, args, ["--parity", *references], Path(tmp, "ref.json"))
-            got = _launch(args.nproc, args, ["--parity", *args.meshes], Path(tmp, "mesh.json"))
+            ref, got = _run_together(
+                [
+                    (1, args, ["--parity", *references], Path(tmp, "ref.json"), None),
+                    (args.nproc, args, ["--parity", *args.meshes], Path(tmp, "mesh.json"), None),
+                ]
+            )
             result["parity"] = _parity_table(args.meshes, ref, got, args.loss_rtol)
         if args.speed:
             # One world per row: a row run after another in the same processes measured up to
-            # 28% slower (the earlier row's communicators and cached blocks stay behind).
+            # 28% slower (the earlier row's communicators and cached blocks stay behind). The
+            # one-GPU rows of a wave run at once, each alone on its own GPU.
             rows: dict[str, Any] = {}
             _speed_header()
-            for i, row in enumerate(args.speed):
-                out = Path(tmp, f"speed{i}.json")
-                got = _launch(_row_world(row), args, ["--rows", row], out)
-                rows[row] = got.get(row, got.get("_world", {"status": "error", "error": "not run"}))
-                _speed_line(row, rows[row], rows)
+            for wave in speed_waves(args.speed, _gpu_count()):
+                gpus = [str(i) if len(wave) > 1 else None for i in range(len(wave))]
+                jobs = [
+                    (_row_world(r), args, ["--rows", r], Path(tmp, f"speed{len(rows) + i}.json"), g)
+                    for i, (r, g) in enumerate(zip(wave, gpus, strict=True))
+                ]
+                for row, gpu, got in zip(wave, gpus, _run_together(jobs), strict=True):
+                    rows[row] = got.get(
+                        row, got.get("_world", {"status": "error", "error": "not run"})
+                    )
+                    rows[row]["cuda_visible_devices"] = gpu
+                    _speed_line(row, rows[row], rows)
             result["speed"] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -204,8 +219,41 @@ def _row_world(row: str) -> int:
     return tf.Mesh(**SPEED_ROWS[row][1]).world_size
 
 
-def _launch(nproc: int, args: argparse.Namespace, what: list[str], out: Path) -> dict[str, Any]:
-    """Run one torchrun world of this module's worker; its rank 0 writes `out`."""
+def speed_waves(rows: list[str], gpus: int) -> list[list[str]]:
+    """`rows` in the order they run: the one-process rows first, up to `gpus` of them at once
+    (each on its own GPU; one at a time without GPUs, where they would share the cores), then
+    each row of several processes alone (it takes every GPU)."""
+    single = [r for r in rows if _row_world(r) == 1]
+    lanes = max(gpus, 1)
+    waves = [single[i : i + lanes] for i in range(0, len(single), lanes)]
+    return waves + [[r] for r in rows if _row_world(r) > 1]
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+Job = tuple[int, argparse.Namespace, list[str], Path, str | None]
+
+
+def _run_together(jobs: list[Job]) -> list[dict[str, Any]]:
+    """Run a ``torchrun`` world of this module's worker per job ``(processes, args, what, out,
+    CUDA_VISIBLE_DEVICES or None)``, all at once; each world's rank 0 writes its `out`."""
+    sys.stdout.flush()  # the tables printed so far come before the workers' output
+    started = [(_start(*job), job[3]) for job in jobs]
+    results = []
+    for proc, out in started:
+        code = proc.wait()
+        if not out.exists():
+            results.append({"_world": {"status": "error", "error": f"torchrun exited {code}"}})
+        else:
+            results.append(json.loads(out.read_text()))
+    return results
+
+
+def _start(
+    nproc: int, args: argparse.Namespace, what: list[str], out: Path, gpus: str | None
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
@@ -221,11 +269,9 @@ def _launch(nproc: int, args: argparse.Namespace, what: list[str], out: Path) ->
         *what,
     ]
     env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": _pythonpath()}
-    sys.stdout.flush()  # the tables printed so far come before the workers' output
-    done = subprocess.run(cmd, env=env, check=False)
-    if not out.exists():
-        return {"_world": {"status": "error", "error": f"torchrun exited {done.returncode}"}}
-    return json.loads(out.read_text())
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return subprocess.Popen(cmd, env=env)
 
 
 def _shared_flags(args: argparse.Namespace) -> list[str]:
@@ -306,7 +352,8 @@ def _speed_line(name: str, row: dict[str, Any], done: dict[str, Any]) -> None:
     if overlap:
         print(f"  {format_summary(overlap)}")
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in row.get("phases_s", {}).items())
-    print(f"  phases: {phases}")
+    gpu = row.get("cuda_visible_devices")
+    print(f"  phases: {phases}" + ("" if gpu is None else f"; alone on GPU {gpu}"))
     sys.stdout.flush()
 
 

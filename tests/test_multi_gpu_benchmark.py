@@ -58,3 +58,19 @@ def test_the_param_gather_row_runs_only_when_named():
     rows = multi_gpu.default_speed_rows(2)
     assert "megatron/dp2" in rows and "megatron/dp2-gather" not in rows
     assert multi_gpu.SPEED_ROWS["megatron/dp2-gather"][2]["overlap_param_gather"] is True
+
+
+def test_one_gpu_rows_share_a_wave_only_across_gpus():
+    rows = ["fsdp/1gpu", "fsdp/dp2", "megatron/1gpu", "megatron/dp2"]
+    assert multi_gpu.speed_waves(rows, gpus=2) == [
+        ["fsdp/1gpu", "megatron/1gpu"],
+        ["fsdp/dp2"],
+        ["megatron/dp2"],
+    ]
+    # without GPUs (or with one) the one-process rows run one at a time, still before the rest
+    assert multi_gpu.speed_waves(rows, gpus=0) == [
+        ["fsdp/1gpu"],
+        ["megatron/1gpu"],
+        ["fsdp/dp2"],
+        ["megatron/dp2"],
+    ]
