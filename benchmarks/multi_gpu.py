@@ -47,7 +47,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 import twinkle_fn as tf
-from benchmarks.profile_summary import format_summary, profile_steps
+from benchmarks.profile_summary import format_summary, host_ops, profile_steps
 from benchmarks.throughput import (
     MFU_FORMULA,
     SHAPES,
@@ -278,6 +278,7 @@ def _shared_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--steps", str(args.steps), "--shape", args.shape, "--seq", str(args.seq)]
     flags += ["--micro-batch", str(args.micro_batch), "--timed", str(args.timed)]
     flags += ["--trace", args.trace] if args.trace else []
+    flags += ["--host-ops", str(args.host_ops)] if args.host_ops else []
     return flags + (["--tiny"] if args.tiny else [])
 
 
@@ -326,7 +327,8 @@ def _parity_table(
 def _speed_header() -> None:
     print(f"\nspeed ({MFU_FORMULA}, peak per GPU x GPUs)")
     print(
-        f"{'row':<15} {'gpus':>4} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'x 1gpu':>7} "
+        f"{'row':<15} {'gpus':>4} {'tokens/s':>10} {'step ms':>8} {'host ms':>8} {'MFU':>6} "
+        f"{'peak GiB':>9} {'x 1gpu':>7} "
         f"{'comm ms':>8} {'overlapped':>10} {'exposed ms':>10} {'busy':>6}",
         flush=True,
     )
@@ -343,14 +345,17 @@ def _speed_line(name: str, row: dict[str, Any], done: dict[str, Any]) -> None:
     row["scaling"] = scale
     overlap = row.get("overlap") or {}
     print(
-        f"{name:<15} {row['gpus']:>4} {row['tokens_per_s']:>10,.0f} "
-        f"{_pct(row.get('mfu')):>6} {_num(row.get('peak_mem_gib'), '.1f'):>9} "
+        f"{name:<15} {row['gpus']:>4} {row['tokens_per_s']:>10,.0f} {row['step_ms']:>8.1f} "
+        f"{_num(row.get('host_ms'), '.1f'):>8} {_pct(row.get('mfu')):>6} "
+        f"{_num(row.get('peak_mem_gib'), '.1f'):>9} "
         f"{_num(scale, '.2f'):>7} {_num(overlap.get('comm_ms'), '.1f'):>8} "
         f"{_pct(overlap.get('overlapped')):>10} {_num(overlap.get('exposed_comm_ms'), '.1f'):>10} "
         f"{_pct(overlap.get('busy')):>6}"
     )
     if overlap:
         print(f"  {format_summary(overlap)}")
+    for op in row.get("host_ops", []):
+        print(f"  host {op['self_ms']:7.2f} ms {op['calls']:6.0f} calls  {op['name'][:70]}")
     phases = ", ".join(f"{k} {v:.0f} s" for k, v in row.get("phases_s", {}).items())
     gpu = row.get("cuda_visible_devices")
     print(f"  phases: {phases}" + ("" if gpu is None else f"; alone on GPU {gpu}"))
@@ -487,14 +492,15 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
         return info["loss"]
 
     built = time.perf_counter()
-    seconds, first, last = time_steps(step, 3, args.timed, device)
+    timing = time_steps(step, 3, args.timed, device)
     timed = time.perf_counter()
-    tokens_per_s = global_batch * args.seq / seconds
+    tokens_per_s = global_batch * args.seq / timing.seconds
     peak = default_peak(device)
     row = {
         "gpus": mesh.world_size,
         "global_batch": global_batch,
-        "step_ms": 1e3 * seconds,
+        "step_ms": 1e3 * timing.seconds,
+        "host_ms": _max_over_ranks(1e3 * timing.host_seconds),
         "tokens_per_s": tokens_per_s,
         "mfu": None
         if peak is None
@@ -502,8 +508,8 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
         "peak_mem_gib": _max_over_ranks(torch.cuda.max_memory_allocated(device) / 2**30)
         if device.type == "cuda"
         else None,
-        "first_loss": first,
-        "last_loss": last,
+        "first_loss": timing.first_loss,
+        "last_loss": timing.last_loss,
     }
     if device.type == "cuda":
         trace = (
@@ -512,6 +518,8 @@ def _speed_run(name: str, args: argparse.Namespace, device: torch.device) -> dic
             else Path(args.trace, f"{name.replace('/', '_')}.{rank()}.json.gz")
         )
         row["overlap"] = profile_steps(step, trace=trace)
+    if args.host_ops:
+        row["host_ops"] = host_ops(step, top=args.host_ops)
     row["phases_s"] = {
         "build": built - started,
         "steps": timed - built,
@@ -546,6 +554,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timed", type=int, default=8, help="timed steps per speed row (median)")
     p.add_argument("--tiny", action="store_true", help="parity on the tests' 2-layer models")
     p.add_argument("--trace", help="keep each speed row's profiler trace (per rank) in this folder")
+    p.add_argument(
+        "--host-ops", type=int, default=0, help="list each row's N costliest host operators"
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

@@ -74,6 +74,23 @@ def profile_steps(
     return summarise(kernels, n)
 
 
+def host_ops(step: Callable[[], Any], n: int = 1, top: int = 12) -> list[dict[str, Any]]:
+    """Where the host's time goes: the `top` operators of `n` runs of `step` by self CPU time,
+    each ``{"name", "self_ms", "calls"}`` per step (under the profiler, which slows each call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [
+        {"name": e.key, "self_ms": e.self_cpu_time_total / (1e3 * n), "calls": e.count / n}
+        for e in ops
+    ]
+
+
 def summarise(kernels: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """The summary of `profile_steps` from chrome-trace kernel events (``name``, ``ts``, ``dur``
     in microseconds) covering `n` steps."""

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -247,17 +247,18 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
     """Build the row, time it; everything it built is unreachable once this returns."""
     leftover_gib = _allocated_gib(setup.device)  # not 0: an earlier row leaked memory
     with _ROW_BUILDERS[name](setup) as step:
-        seconds, first_loss, last_loss = time_steps(step, warmup, steps, setup.device)
+        timing = time_steps(step, warmup, steps, setup.device)
         peak_gib = _peak_gib(setup.device)
         profile = profile_steps(step) if setup.profile and setup.device.type == "cuda" else None
     batch, seq = setup.input_ids.shape
     return {
         "status": "ok",
-        "step_ms": 1e3 * seconds,
-        "tokens_per_s": batch * seq / seconds,
+        "step_ms": 1e3 * timing.seconds,
+        "host_ms": 1e3 * timing.host_seconds,
+        "tokens_per_s": batch * seq / timing.seconds,
         "peak_mem_gib": peak_gib,
-        "first_loss": first_loss,
-        "last_loss": last_loss,
+        "first_loss": timing.first_loss,
+        "last_loss": timing.last_loss,
         "leftover_gib": leftover_gib,
         "profile": profile,
     }
@@ -273,26 +274,33 @@ def _skip_reason(name: str, device: torch.device) -> str | None:
     return None
 
 
-def time_steps(
-    step: Step, warmup: int, steps: int, device: torch.device
-) -> tuple[float, float, float]:
-    """``(median seconds per timed step, first loss, last loss)``.
+class StepTiming(NamedTuple):
+    """What `time_steps` measured: the median seconds per timed step, the median seconds until
+    the step's call returned to the host (its launch work; close to ``seconds`` when the host,
+    not the GPU, bounds the step), and the first and last losses."""
 
-    The first warm-up step's loss is read on the host (warm-up is not timed); each timed step is
-    bracketed by device synchronisations.
-    """
+    seconds: float
+    host_seconds: float
+    first_loss: float
+    last_loss: float
+
+
+def time_steps(step: Step, warmup: int, steps: int, device: torch.device) -> StepTiming:
+    """Run `warmup` untimed steps, then time `steps` ones, each bracketed by device
+    synchronisations. The first warm-up step's loss is read on the host (warm-up is not timed)."""
     first = float(step())
     for _ in range(warmup - 1):
         step()
-    samples = []
+    samples, host = [], []
     loss = torch.tensor(first)
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
         loss = step()
+        host.append(time.perf_counter() - start)
         _sync(device)
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples), first, float(loss)
+    return StepTiming(statistics.median(samples), statistics.median(host), first, float(loss))
 
 
 def _sync(device: torch.device) -> None:

@@ -26,7 +26,8 @@ def test_two_process_run_on_cpu(tmp_path):
         [
             "--tiny", "--steps", "2", "--meshes", "fsdp/dp2", "megatron/tp2",
             "--speed", "fsdp/1gpu", "fsdp/dp2", "--shape", "tiny", "--seq", "64",
-            "--micro-batch", "2", "--timed", "2", "--json", str(tmp_path / "out.json"),
+            "--micro-batch", "2", "--timed", "2", "--host-ops", "4",
+            "--json", str(tmp_path / "out.json"),
         ]
     )  # fmt: skip
     for name, row in result["parity"].items():
@@ -36,6 +37,9 @@ def test_two_process_run_on_cpu(tmp_path):
         assert row["max_rel"] < 1e-3, (name, row)
     for name, row in result["speed"].items():
         assert row["status"] == "ok" and row["tokens_per_s"] > 0, (name, row)
+        # on a CPU the step's work is the host's: its call returns when the step is done
+        assert 0 < row["host_ms"] <= row["step_ms"] * 1.5, (name, row)
+        assert len(row["host_ops"]) == 4 and row["host_ops"][0]["calls"] > 0, (name, row)
         phases = row["phases_s"]
         assert phases.keys() == {"build", "steps", "profile"} and min(phases.values()) >= 0
     assert result["speed"]["fsdp/dp2"]["global_batch"] == 4

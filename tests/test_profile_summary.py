@@ -73,3 +73,17 @@ def test_summary_of_two_steps():
     text = ps.format_summary(s)
     assert "busy 90%" in text and "exposed: ncclAllReduce 0.00 ms" not in text
     assert "idle 0.00 ms at 0.0 ms: after triton_b, before gemm_a" in text
+
+
+def test_host_ops_counts_each_operator_per_step():
+    import torch
+
+    a = torch.randn(64, 64)
+
+    def step():
+        return (a @ a @ a).sum()
+
+    ops = {op["name"]: op for op in ps.host_ops(step, n=2, top=50)}
+    assert ops["aten::mm"]["calls"] == 2  # two matmuls a step, averaged over the two steps
+    assert ops["aten::sum"]["calls"] == 1
+    assert all(op["self_ms"] >= 0 for op in ops.values())
