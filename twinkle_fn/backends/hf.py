@@ -73,7 +73,10 @@ def model_inputs(
 ) -> dict[str, torch.Tensor]:
     """The keyword arguments of a transformers decoder for a padded or packed `batch`.
 
-    Padded batches pass their ``attention_mask [B, T]``; packed ones (with ``cu_seqlens``) get a
+    Padded batches pass their ``attention_mask [B, T]``, unless it is on the host and all ones:
+    then none is passed and attention is plainly causal (the same result), because transformers
+    would otherwise test the mask for padding on the device, a host sync in every forward that
+    lets the GPU run dry while the host catches up. Packed batches (with ``cu_seqlens``) get a
     block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not isolate
     packed samples from ``position_ids`` alone.
     """
@@ -84,9 +87,14 @@ def model_inputs(
     if "cu_seqlens" in batch:
         mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
         kwargs["attention_mask"] = mask.to(device, non_blocking=True)
-    elif "attention_mask" in batch:
+    elif "attention_mask" in batch and not _host_all_ones(batch["attention_mask"]):
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs
+
+
+def _host_all_ones(mask: torch.Tensor) -> bool:
+    """Whether `mask` is on the CPU (free to read) and masks nothing."""
+    return mask.device.type == "cpu" and bool(mask.all())
 
 
 def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
