@@ -73,28 +73,37 @@ def model_inputs(
 ) -> dict[str, torch.Tensor]:
     """The keyword arguments of a transformers decoder for a padded or packed `batch`.
 
-    Padded batches pass their ``attention_mask [B, T]``, unless it is on the host and all ones:
-    then none is passed and attention is plainly causal (the same result), because transformers
-    would otherwise test the mask for padding on the device, a host sync in every forward that
-    lets the GPU run dry while the host catches up. Packed batches (with ``cu_seqlens``) get a
-    block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not isolate
-    packed samples from ``position_ids`` alone.
+    Padded batches pass their ``attention_mask [B, T]`` and ``position_ids [B, T]``. When both
+    are on the host and say nothing beyond causal attention (no padding, each row's positions
+    ``0 .. T-1``), neither is passed: the decoder's defaults give the same result, and
+    transformers would otherwise inspect them on the device (for padding, or for packed
+    sequences), a host sync in every forward that lets the GPU run dry while the host catches
+    up. Packed batches (with ``cu_seqlens``) get a block-diagonal causal ``[1, 1, T, T]`` mask,
+    since transformers' SDPA path does not isolate packed samples from ``position_ids`` alone.
     """
     ids = batch["input_ids"].to(device, non_blocking=True)  # [B, T]
     kwargs = {"input_ids": ids}
+    if "cu_seqlens" not in batch and _plainly_causal(batch, ids.shape[-1]):
+        return kwargs
     if "position_ids" in batch:
         kwargs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
     if "cu_seqlens" in batch:
         mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
         kwargs["attention_mask"] = mask.to(device, non_blocking=True)
-    elif "attention_mask" in batch and not _host_all_ones(batch["attention_mask"]):
+    elif "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs
 
 
-def _host_all_ones(mask: torch.Tensor) -> bool:
-    """Whether `mask` is on the CPU (free to read) and masks nothing."""
-    return mask.device.type == "cpu" and bool(mask.all())
+def _plainly_causal(batch: Mapping[str, torch.Tensor], seq: int) -> bool:
+    """Whether `batch`'s mask and positions are on the host (free to read) and add nothing to
+    causal attention over positions ``0 .. seq-1``."""
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    on_host = all(t is None or t.device.type == "cpu" for t in (mask, positions))
+    if not on_host:
+        return False
+    no_padding = mask is None or bool(mask.all())
+    return no_padding and (positions is None or bool((positions == torch.arange(seq)).all()))
 
 
 def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:

@@ -15,22 +15,29 @@ def _batch(min_len: int, max_len: int) -> dict[str, torch.Tensor]:
     return pad_collate(feats, pad_token_id=0)
 
 
-def test_a_host_mask_of_all_ones_is_left_out():
+def test_a_plainly_causal_host_batch_passes_no_mask_and_no_positions():
     full = _batch(16, 16)  # every row as long as the longest: nothing is padded
     assert bool(full["attention_mask"].all())
-    assert "attention_mask" not in model_inputs(full, CPU)
+    assert model_inputs(full, CPU).keys() == {"input_ids"}
+
+
+def test_padding_or_shifted_positions_are_passed():
     padded = _batch(4, 16)
     assert not bool(padded["attention_mask"].all())
-    assert torch.equal(model_inputs(padded, CPU)["attention_mask"], padded["attention_mask"])
+    inputs = model_inputs(padded, CPU)
+    assert torch.equal(inputs["attention_mask"], padded["attention_mask"])
+    assert torch.equal(inputs["position_ids"], padded["position_ids"])
+    shifted = {**_batch(16, 16)}
+    shifted["position_ids"] = shifted["position_ids"] + 3
+    assert torch.equal(model_inputs(shifted, CPU)["position_ids"], shifted["position_ids"])
 
 
-def test_leaving_out_an_all_ones_mask_changes_no_logit():
+def test_leaving_them_out_changes_no_logit():
     config = tiny_config(vocab_size=64)
     module = tf.models.from_hf_config(config, seed=0).module.eval()
     batch = _batch(16, 16)
     with torch.no_grad():
         without = module(**model_inputs(batch, CPU), use_cache=False).logits
-        masked = module(
-            **model_inputs(batch, CPU), attention_mask=batch["attention_mask"], use_cache=False
-        ).logits
+        explicit = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        masked = module(**model_inputs(batch, CPU), **explicit, use_cache=False).logits
     assert torch.equal(without, masked)
