@@ -11,10 +11,11 @@ megatron-core's global state and NCCL communicators of one measurement away from
    MoE with 8 experts), each rank on its data slice of the same global batches; every step's
    loss is compared with the reference's;
 3. **speed on one process** (the one-GPU rows at once, each on its own GPU) and 4. **speed on
-   ``--nproc``**, a world per row: tokens/s, MFU and peak memory of a
-   Qwen2.5-shaped model (``--shape``, ``--seq``; ``--micro-batch`` rows per data rank), and for
-   the data-parallel rows a profile of two steps that says how much of the communication kernels'
-   time ran while a compute kernel was running (the overlap).
+   ``--nproc``**, a world per row: tokens/s, MFU and peak memory of a Qwen2.5-shaped model
+   (``--shape``, ``--seq``; ``--micro-batch`` rows per data rank); the host's share of a step
+   (``host ms``: until the step's call returns; near ``step ms``, the host bounds the step, and
+   ``--host-ops N`` lists its costliest operators); and a profile of two steps that says how
+   much of the communication kernels' time ran while a compute kernel was running (the overlap).
 
 Precision is bf16 compute; the transformers backend keeps fp32 master weights, the megatron
 backend bf16 weights with fp32 main copies in its distributed optimizer. A mesh's relative loss
