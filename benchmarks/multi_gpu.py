@@ -143,7 +143,23 @@ SPEED_ROWS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "megatron/tp2xpp2": ("megatron", {"tp": 2, "pp": 2}, _OVERLAP),
     "megatron/dp2xtp2": ("megatron", {"dp": 2, "tp": 2}, _OVERLAP),
 }
-_OPT_IN = ("megatron/dp2-gather",)  # rows run only when --speed names them
+# The "-compiled" rows compile each decoder layer (``compile_layers``): fewer kernel launches,
+# for steps the host bounds in eager mode (benchmarks/NOTES.md, session 6). They scale against
+# "fsdp/1gpu-compiled", and are opt-in until measured.
+_COMPILED = {"compile_layers": True}
+SPEED_ROWS.update(
+    {
+        "fsdp/1gpu-compiled": ("fsdp", {}, _COMPILED),
+        "fsdp/dp2-compiled": ("fsdp", {"dp": 2}, _COMPILED),
+        "fsdp/fsdp2-compiled": ("fsdp", {"fsdp": 2}, _COMPILED),
+    }
+)
+_OPT_IN = (  # rows run only when --speed names them
+    "megatron/dp2-gather",
+    "fsdp/1gpu-compiled",
+    "fsdp/dp2-compiled",
+    "fsdp/fsdp2-compiled",
+)
 _PARITY_LR = 1e-3
 _GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512
 
@@ -205,6 +221,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def default_speed_rows(nproc: int) -> list[str]:
     """The speed rows of one and of `nproc` processes, without the opt-in ones."""
     return [r for r in SPEED_ROWS if _row_world(r) in (1, nproc) and r not in _OPT_IN]
+
+
+def one_gpu_row(row: str) -> str:
+    """The one-GPU row `row` scales against: its backend's, with the same variant suffix
+    (``fsdp/dp2-compiled`` -> ``fsdp/1gpu-compiled``) where there is one."""
+    backend, mesh = row.split("/")
+    variant = f"{backend}/1gpu-{mesh.partition('-')[2]}"
+    return variant if variant in SPEED_ROWS else f"{backend}/1gpu"
 
 
 def _reference(mesh_name: str) -> str:
@@ -341,7 +365,7 @@ def _speed_line(name: str, row: dict[str, Any], done: dict[str, Any]) -> None:
     if row.get("status") != "ok":
         print(f"{name:<15} error: {row.get('error', '')[:200]}", flush=True)
         return
-    base = done.get(f"{SPEED_ROWS[name][0]}/1gpu", {})
+    base = done.get(one_gpu_row(name), {})
     scale = row["tokens_per_s"] / base["tokens_per_s"] if base.get("status") == "ok" else None
     row["scaling"] = scale
     overlap = row.get("overlap") or {}

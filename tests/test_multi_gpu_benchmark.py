@@ -78,3 +78,12 @@ def test_one_gpu_rows_share_a_wave_only_across_gpus():
         ["fsdp/dp2"],
         ["megatron/dp2"],
     ]
+
+
+def test_a_variant_row_scales_against_its_own_one_gpu_row():
+    assert multi_gpu.one_gpu_row("fsdp/fsdp2-compiled") == "fsdp/1gpu-compiled"
+    assert multi_gpu.one_gpu_row("fsdp/fsdp2") == "fsdp/1gpu"
+    # no one-GPU row of that variant: the backend's plain one
+    assert multi_gpu.one_gpu_row("megatron/dp2-gather") == "megatron/1gpu"
+    assert multi_gpu.SPEED_ROWS["fsdp/dp2-compiled"][2] == {"compile_layers": True}
+    assert not {"fsdp/1gpu-compiled", "fsdp/dp2-compiled"} & set(multi_gpu.default_speed_rows(2))
