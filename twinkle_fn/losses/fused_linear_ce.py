@@ -17,10 +17,10 @@ buffer in the input dtype holds the logits and then, in place, their gradient: `
 the accumulation dtype (float32, float64 for float64 inputs) holds the logits and then the softmax
 in place; bfloat16/float16 inputs add one ``[chunk, vocab]`` tensor in the input dtype (the matmul
 output, later the gradient cast back for the matmuls). So ``chunk · vocab · 6`` bytes for bf16,
-``· 4`` for float32, ``· 8`` for float64. Either way add a ``[vocab, hidden]`` temporary per chunk
-for the low-precision weight gradient. Stored until backward, each only when needed: the hidden
-gradient ``[tokens, hidden]`` in the input dtype and the weight/bias gradient in the accumulation
-dtype.
+``· 4`` for float32, ``· 8`` for float64. Off CUDA, add a ``[vocab, hidden]`` temporary per chunk
+for the low-precision weight gradient (on CUDA the matmul accumulates it in float32 itself).
+Stored until backward, each only when needed: the hidden gradient ``[tokens, hidden]`` in the
+input dtype and the weight/bias gradient in the accumulation dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from twinkle_fn import _triton
 from twinkle_fn.losses.cross_entropy import LossOutput, accumulation_dtype, validate_labels
+
+# Supervised tokens per chunk. The loss runs while the whole forward's activations are alive, so
+# its [chunk, vocab] buffer adds to the step's peak: 0.29 GiB at a 151,936-token vocab in bf16
+# (4096 rows made it 1.16 GiB). On an H200, 1024 rows ran a 0.5B step as fast as 4096 did
+# (benchmarks/NOTES.md): the projections stay large matmuls.
+DEFAULT_CHUNK_SIZE = 1024
 
 
 class TokenLossOutput(NamedTuple):
@@ -131,11 +137,27 @@ def _chunk_loss_and_grads(
     if not need_grad:
         return losses, None
     if grad_weight is not None:
-        if grad_logits.dtype == acc:
-            grad_weight.addmm_(grad_logits.t(), h)
-        else:
-            grad_weight += grad_logits.t() @ h
+        _accumulate_weight_grad(grad_weight, grad_logits, h)
     return losses, (grad_logits @ weight if need_hidden else None)
+
+
+def _accumulate_weight_grad(
+    grad_weight: Tensor,  # [vocab, hidden] acc
+    grad_logits: Tensor,  # [chunk, vocab]
+    h: Tensor,  # [chunk, hidden], grad_logits' dtype
+) -> None:
+    """``grad_weight += grad_logits.T @ h``, summed in grad_weight's dtype.
+
+    On CUDA a low-precision product is accumulated by the matmul itself (a float32 output of
+    bf16/fp16 inputs): no ``[vocab, hidden]`` temporary, and no rounding of each chunk's partial
+    sum to the input dtype. Elsewhere the product is made in the inputs' dtype and then added.
+    """
+    if grad_logits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), h)
+    elif grad_weight.is_cuda:
+        torch.addmm(grad_weight, grad_logits.t(), h, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight += grad_logits.t() @ h
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -237,7 +259,7 @@ def fused_linear_cross_entropy_sum(
     *,
     bias: Tensor | None = None,
     ignore_index: int = -100,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_token_losses: bool = False,
     supervised_rows: Tensor | None = None,
 ) -> LossOutput | TokenLossOutput:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.losses import fused_linear_cross_entropy_sum
+from twinkle_fn.losses.fused_linear_ce import DEFAULT_CHUNK_SIZE
 
 
 class FusedLoss(NamedTuple):
@@ -71,7 +72,7 @@ def fused_token_losses(
     output_weight: Tensor | None,
     labels: Tensor,
     context: int,
-    chunk_size: int = 4096,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     supervised_rows: Tensor | None = None,
     **unused: Any,
 ) -> FusedLoss:
