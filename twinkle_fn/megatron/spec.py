@@ -363,8 +363,26 @@ class SDPAAttention(MegatronModule):
         return torch.cat(pieces).reshape(query.shape[0], -1)
 
 
+class RowParallelLinear(tensor_parallel.RowParallelLinear):
+    """megatron-core's ``RowParallelLinear``, handing its matmul its own tensor-parallel group.
+
+    megatron-core 0.19 passes ``tp_group=None`` to that call (it communicates nothing there: the
+    all-reduce follows it), which then looks the default group up and issues a
+    ``DeprecationWarning`` on rank 0 in every forward: host work per layer, and a graph break
+    under ``torch.compile``.
+    """
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 class _SDPASpecProvider(LocalSpecProvider):
-    """megatron-core's local modules, with `SDPAAttention` and `RMSNorm`."""
+    """megatron-core's local modules, with `SDPAAttention`, `RMSNorm` and `RowParallelLinear`."""
+
+    def row_parallel_linear(self) -> type[RowParallelLinear]:
+        return RowParallelLinear
 
     def layer_norm(
         self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False

@@ -1,6 +1,7 @@
 import math
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -261,6 +262,8 @@ def test_layer_spec_uses_sdpa_rms_norm_and_the_moe_layer_where_asked():
     dense = layer_spec(_config(qk_layernorm=True), use_te=False)
     attn = dense.submodules.self_attention.submodules
     assert attn.core_attention is SDPAAttention and attn.q_layernorm is RMSNorm
+    assert attn.linear_proj is spec.RowParallelLinear
+    assert dense.submodules.mlp.keywords["submodules"].linear_fc2 is spec.RowParallelLinear
     assert dense.submodules.input_layernorm is RMSNorm
     assert layer_spec(_config(), use_te=None).submodules.self_attention.submodules.k_layernorm is (
         IdentityOp
@@ -270,6 +273,25 @@ def test_layer_spec_uses_sdpa_rms_norm_and_the_moe_layer_where_asked():
     assert layer_spec(moe_cfg, moe=False).submodules.mlp.func is not MoELayer
     with pytest.raises(ValueError, match="TransformerEngine is not importable"):
         layer_spec(_config(), use_te=True)
+
+
+def test_row_parallel_linear_hands_its_group_to_the_matmul(megatron_world):
+    layer = spec.RowParallelLinear(
+        8,
+        4,
+        config=_config(),
+        init_method=torch.nn.init.normal_,
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=True,
+    )
+    x = torch.randn(3, 2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = layer(x)
+    # megatron-core's own class warns here in every forward (and breaks torch.compile's graph)
+    assert not [w for w in caught if "tp_group is None" in str(w.message)]
+    torch.testing.assert_close(out, x @ layer.weight.t())
 
 
 def test_fused_norm_linears_are_never_used(monkeypatch):
