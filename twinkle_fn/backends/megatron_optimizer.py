@@ -21,7 +21,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch import Tensor
 
 from twinkle_fn.backends.megatron_placement import PLACEMENT_ATTR, MegatronPlacement
-from twinkle_fn.megatron import param_sync
+from twinkle_fn.megatron import multi_tensor, param_sync
 from twinkle_fn.optim import GradientTransformation, Schedule
 from twinkle_fn.optim.base import advance_counter, check_lr, check_nonnegative, lr_at
 from twinkle_fn.pytree import NAMESPACE
@@ -117,6 +117,7 @@ def megatron_optimizer(
             use_distributed_optimizer=True,
             **adam,
         )
+        multi_tensor.install()  # no host sync per gradient in the clip (without TE or apex)
         optimizer = get_megatron_optimizer(config, placement.chunks)
         if config.fp16:
             placement.module.config.grad_scale_func = optimizer.scale_loss
@@ -199,8 +200,9 @@ def megatron_update(
     """Reduce the DDP grad buffers, divide them by `num_tokens` (0-d int64, every data rank's
     supervised tokens) and step megatron's optimizer at the schedule's lr.
 
-    Returns the global grad norm before clipping (0-d float32; NaN when an fp16 overflow
-    skipped the update, which leaves the count unchanged) and the new state.
+    Returns the global grad norm before clipping (0-d float32, on the device unless megatron
+    read it on the host; NaN when an fp16 overflow skipped the update, which leaves the count
+    unchanged) and the new state.
     """
     finalize_model_grads(placement.chunks)
     for chunk in placement.chunks:
@@ -213,6 +215,11 @@ def megatron_update(
     ok, grad_norm, _ = optimizer.step()
     if ok:
         advance_counter(opt.count, opt.lr, lr)
-    norm = torch.tensor(float("nan") if grad_norm is None else grad_norm, dtype=torch.float32)
+    if grad_norm is None:
+        norm = torch.tensor(float("nan"))
+    elif isinstance(grad_norm, Tensor):  # on the device (`multi_tensor`, TE): not read here
+        norm = grad_norm.reshape(()).float()
+    else:
+        norm = torch.tensor(grad_norm, dtype=torch.float32)
     names = dict(placement.module.named_parameters())
     return norm, dataclasses.replace(opt, slots=_slots(optimizer, names))

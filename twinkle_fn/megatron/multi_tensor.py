@@ -1,0 +1,58 @@
+"""Sync-free stand-ins for the multi-tensor kernels megatron-core takes from TE or apex.
+
+Without TransformerEngine or apex, megatron-core's gradient clipping falls back to
+``local_multi_tensor_l2_norm``, which builds the global norm from every gradient's norm read on
+the host: one device sync per parameter tensor, every step (170 at Qwen2.5-0.5B; the GPU idles
+after each). `install` swaps in torch foreach ops that leave the norm on the device, and a
+scale by a device-side coefficient, so megatron takes the path it takes with TE's kernels:
+the norm stays a tensor and clipping multiplies by ``min(1, max_norm / norm)`` without reading
+it. Where TE or apex provided the kernels, `install` changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from megatron.core import utils as mcore_utils
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import optimizer as mcore_optimizer
+from torch import Tensor
+
+
+def l2_norm(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], *args: object
+) -> tuple[Tensor, None]:
+    """``amp_C.multi_tensor_l2norm``'s contract: the l2 norm of all of ``tensor_lists[0]`` as
+    one vector, a ``[1]`` float32 tensor on their device (no per-tensor norms)."""
+    del chunk_size, noop_flag, args  # the kernel's launch details; foreach chooses its own
+    norms = torch._foreach_norm(list(tensor_lists[0]), 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def scale(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], factor: object
+) -> None:
+    """``dst = src * factor`` for each pair of ``tensor_lists = [src, dst]``; `factor` a float
+    or a one-element tensor on the tensors' device (read there, never on the host)."""
+    del chunk_size, noop_flag
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if isinstance(factor, Tensor):
+        factor = factor.reshape(())
+    if all(s is d for s, d in zip(src, dst, strict=True)):
+        torch._foreach_mul_(dst, factor)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, factor))
+
+
+def install() -> None:
+    """Replace megatron-core's local multi-tensor fallbacks (and only those) by `l2_norm` and
+    `scale`; idempotent."""
+    if clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = l2_norm
+        clip_grads.multi_tensor_scale_impl = scale
+        clip_grads.multi_tensor_scale_tensor_impl = scale
+    if getattr(mcore_optimizer, "multi_tensor_scale_impl", None) is (
+        mcore_utils.local_multi_tensor_scale
+    ):
+        mcore_optimizer.multi_tensor_scale_impl = scale
