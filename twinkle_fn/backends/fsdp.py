@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from twinkle_fn.backends import compile_layers as layer_compiler
 from twinkle_fn.distributed import world_size
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
@@ -144,23 +145,10 @@ def _prefetch(root: FSDPModule, layers: list[FSDPModule]) -> None:
 
 
 def compile_layers(model: Model) -> None:
-    """``torch.compile`` each decoder layer in place when ``model.options["compile_layers"]``
-    is ``True`` or a dict of ``torch.compile`` arguments; a layer compiled already is kept.
-
-    Raises ``TypeError`` for another value.
-    """
+    """Apply the model option ``compile_layers`` to its decoder layers (see
+    `twinkle_fn.backends.compile_layers`). Raises ``TypeError`` for a bad value."""
     setting = model.options.get("compile_layers", False)
-    if setting is False:
-        return
-    if setting is not True and not isinstance(setting, dict):
-        raise TypeError(
-            f"option compile_layers must be True, False or a dict of torch.compile arguments, "
-            f"got {setting!r}"
-        )
-    kwargs = {} if setting is True else setting
-    for layer in model.module.get_decoder().layers:
-        if getattr(layer, "_compiled_call_impl", None) is None:
-            layer.compile(**kwargs)
+    layer_compiler.compile_layers(model.module.get_decoder().layers, setting)
 
 
 def _tp_style(style: str, sequence_parallel: bool) -> ParallelStyle:

@@ -26,6 +26,7 @@ from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 from transformers.core_model_loading import revert_weight_conversion
 
+from twinkle_fn.backends.compile_layers import compile_layers
 from twinkle_fn.megatron import grad_sync, parallel, param_sync
 from twinkle_fn.megatron.bridge import hf_to_mcore
 from twinkle_fn.megatron.lora import LoraPlan, add_adapters
@@ -43,6 +44,7 @@ _OWN_OPTIONS = (
     "overlap_grad_reduce",
     "overlap_param_gather",
     "grad_bucket_size",
+    "compile_layers",
 )
 # TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
 _FIXED_FIELDS = (
@@ -129,6 +131,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
+    compile_layers(gpt.decoder.layers, model.options.get("compile_layers", False))
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
     chunk = _ddp(gpt, wrapped, opts)
     if opts.overlap_param_gather:

@@ -157,6 +157,13 @@ def _precisions():
     return dict(bf16=bf16, master=master, fp16=fp16, recompute=recompute, overflow=skipped)
 
 
+def _compiled():
+    """A run with every decoder layer compiled (dynamo's eager backend: the same kernels)."""
+    run, state = _train("qwen2", options={"compile_layers": {"backend": "eager"}})
+    layers = state.model.placement.module.decoder.layers
+    return run, [layer._compiled_call_impl is not None for layer in layers]
+
+
 def _own_process_group():
     """With no process group, tf.init on one process starts its own one-rank group."""
     dist.destroy_process_group()
@@ -175,6 +182,7 @@ def _one_process():
         misuse=_misuse(),
         precisions=_precisions(),
         plain_transform=_train("qwen2", tx=_tx("fsdp"))[0],
+        compiled=_compiled(),
     )
     parallel.destroy()
     checks["own_group"] = _own_process_group()
@@ -344,6 +352,12 @@ def test_mixed_precision_tracks_fp32(one_process, precision, bound):
 
 def test_full_recompute_changes_nothing(one_process):
     _assert_same_run(one_process[1]["precisions"]["recompute"], one_process[0]["qwen2", "megatron"])
+
+
+def test_compiled_layers_change_nothing(one_process):
+    run, compiled = one_process[1]["compiled"]
+    assert compiled and all(compiled)
+    _assert_same_run(run, one_process[0]["qwen2", "megatron"])
 
 
 def test_an_fp16_overflow_skips_the_update(one_process):
