@@ -144,14 +144,16 @@ SPEED_ROWS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "megatron/dp2xtp2": ("megatron", {"dp": 2, "tp": 2}, _OVERLAP),
 }
 # The "-compiled" rows compile each decoder layer (``compile_layers``): fewer kernel launches,
-# for steps the host bounds in eager mode (benchmarks/NOTES.md, session 6). They scale against
-# "fsdp/1gpu-compiled", and are opt-in until measured.
+# for steps the host bounds in eager mode (benchmarks/NOTES.md, session 6). Each scales against
+# its backend's compiled one-GPU row, and they are opt-in until measured on two GPUs.
 _COMPILED = {"compile_layers": True}
 SPEED_ROWS.update(
     {
         "fsdp/1gpu-compiled": ("fsdp", {}, _COMPILED),
         "fsdp/dp2-compiled": ("fsdp", {"dp": 2}, _COMPILED),
         "fsdp/fsdp2-compiled": ("fsdp", {"fsdp": 2}, _COMPILED),
+        "megatron/1gpu-compiled": ("megatron", {}, {**_OVERLAP, **_COMPILED}),
+        "megatron/dp2-compiled": ("megatron", {"dp": 2}, {**_OVERLAP, **_COMPILED}),
     }
 )
 _OPT_IN = (  # rows run only when --speed names them
@@ -159,6 +161,8 @@ _OPT_IN = (  # rows run only when --speed names them
     "fsdp/1gpu-compiled",
     "fsdp/dp2-compiled",
     "fsdp/fsdp2-compiled",
+    "megatron/1gpu-compiled",
+    "megatron/dp2-compiled",
 )
 _PARITY_LR = 1e-3
 _GLOBAL_BATCH, _MIN_LEN, _MAX_LEN = 16, 64, 512

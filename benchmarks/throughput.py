@@ -19,7 +19,8 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
   layer (recomputed in backward: the MFU formula does not count the recompute), the memory
   end of the trade-off;
 - ``twinkle_megatron``: the same on the megatron backend with its `megatron_optimizer`
-  (megatron-core's distributed optimizer), when `twinkle_fn.backends` has that backend.
+  (megatron-core's distributed optimizer), when `twinkle_fn.backends` has that backend;
+- ``twinkle_megatron_compiled``: the same with each decoder layer compiled (GPU only).
 
 Each row warms up, then takes the median of timed steps (the device synchronised around each).
 It reports tokens/s (``batch * seq`` tokens per step), MFU, CUDA peak allocated memory, step
@@ -102,6 +103,7 @@ ROWS = (
     "twinkle_fsdp_compiled",
     "twinkle_fsdp_compiled_ckpt",
     "twinkle_megatron",
+    "twinkle_megatron_compiled",
 )
 BASELINES = ("hf_loop", "hf_compiled", "mcore_local")
 # Dense bf16 tensor-core peak of one H100/H200 SXM (the MFU denominator).
@@ -265,11 +267,9 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
 
 
 def _skip_reason(name: str, device: torch.device) -> str | None:
-    if name in ("hf_compiled", "twinkle_fsdp_compiled", "twinkle_fsdp_compiled_ckpt") and (
-        device.type != "cuda"
-    ):
+    if name.endswith(("_compiled", "_compiled_ckpt")) and device.type != "cuda":
         return "GPU only (compiling on a CPU takes minutes)"
-    if name == "twinkle_megatron" and "megatron" not in backends.names():
+    if name.startswith("twinkle_megatron") and "megatron" not in backends.names():
         return "twinkle_fn.backends has no 'megatron' backend yet"
     return None
 
@@ -501,6 +501,12 @@ def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
         yield _twinkle_step(setup, backend="megatron")
 
 
+@contextlib.contextmanager
+def _twinkle_megatron_compiled(setup: Setup) -> Iterator[Step]:
+    with _megatron_world(setup.device):
+        yield _twinkle_step(setup, backend="megatron", options={"compile_layers": True})
+
+
 def _twinkle_step(
     setup: Setup,
     backend: str,
@@ -610,6 +616,7 @@ _ROW_BUILDERS: MappingProxyType[str, RowBuilder] = MappingProxyType(
         "twinkle_fsdp_compiled": _twinkle_fsdp_compiled,
         "twinkle_fsdp_compiled_ckpt": _twinkle_fsdp_compiled_ckpt,
         "twinkle_megatron": _twinkle_megatron,
+        "twinkle_megatron_compiled": _twinkle_megatron_compiled,
     }
 )
 
