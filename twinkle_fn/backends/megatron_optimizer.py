@@ -121,6 +121,7 @@ def megatron_optimizer(
         optimizer = get_megatron_optimizer(config, placement.chunks)
         if config.fp16:
             placement.module.config.grad_scale_func = optimizer.scale_loss
+        _fuse_torch_adams(optimizer)
         _init_adam_states(optimizer)
         count, last_lr = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.float64)
         return MegatronOptState(count, last_lr, _slots(optimizer, params), optimizer, hyper)
@@ -147,21 +148,42 @@ def _placement_of(params: Mapping[str, Tensor]) -> MegatronPlacement:
     return placement
 
 
+def _torch_adams(optimizer: Any) -> list[torch.optim.Adam]:
+    """The torch Adam/AdamW optimizers inside megatron's (none when TE or apex provided it)."""
+    inner = (sub.optimizer for sub in optimizer.chained_optimizers)
+    return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
+
+
+def _fuse_torch_adams(optimizer: Any) -> None:
+    """Step megatron's torch AdamW with torch's fused kernel. Without TE or apex megatron builds
+    it with the default, foreach, which makes about ten passes over the float32 parameters,
+    gradients and moments: 37.8 ms of a 1.5B step on an H200, where one fused pass reads and
+    writes each once."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            if not group.get("capturable") and not group.get("differentiable"):
+                group.update(fused=True, foreach=False)
+
+
 def _init_adam_states(optimizer: Any) -> None:
     """Create torch Adam's per-parameter state now rather than at the first step, exactly as
-    ``torch.optim.AdamW`` would, so the state tree is complete from ``tf.init`` on. Fused
-    optimizers (TransformerEngine's, apex's) keep their lazy initialisation."""
-    for sub in optimizer.chained_optimizers:
-        inner = sub.optimizer
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            if group.get("fused") or group.get("capturable") or group.get("amsgrad"):
+    ``torch.optim.AdamW`` would (the fused kernel's step count on the parameter's device), so
+    the state tree is complete from ``tf.init`` on. TransformerEngine's and apex's optimizers
+    keep their lazy initialisation."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            if group.get("capturable") or group.get("amsgrad"):
                 continue
+            fused = bool(group.get("fused"))
             for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p].update(
-                        step=torch.tensor(0.0, dtype=_scalar_dtype()),
+                if not adam.state[p]:
+                    step = (
+                        torch.zeros((), dtype=torch.float32, device=p.device)
+                        if fused
+                        else torch.tensor(0.0, dtype=_scalar_dtype())
+                    )
+                    adam.state[p].update(
+                        step=step,
                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
                     )

@@ -25,6 +25,7 @@ from transformers.core_model_loading import revert_weight_conversion
 import twinkle_fn as tf
 from twinkle_fn.backends.hf import model_inputs
 from twinkle_fn.backends.megatron import evaluate_logps, megatron_optimizer
+from twinkle_fn.backends.megatron_optimizer import _torch_adams
 from twinkle_fn.backends.megatron_placement import model_placement
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
@@ -164,6 +165,18 @@ def _compiled():
     return run, [layer._compiled_call_impl is not None for layer in layers]
 
 
+def _adam_kernels():
+    """Per torch Adam param group of a trained state: (fused, foreach, step on the params'
+    device)."""
+    _, state = _train("qwen2")
+    out = []
+    for adam in _torch_adams(state.opt_state.optimizer):
+        for group in adam.param_groups:
+            on_device = all(adam.state[p]["step"].device == p.device for p in group["params"])
+            out.append((group["fused"], group["foreach"], on_device))
+    return out
+
+
 def _own_process_group():
     """With no process group, tf.init on one process starts its own one-rank group."""
     dist.destroy_process_group()
@@ -183,6 +196,7 @@ def _one_process():
         precisions=_precisions(),
         plain_transform=_train("qwen2", tx=_tx("fsdp"))[0],
         compiled=_compiled(),
+        adam_kernels=_adam_kernels(),
     )
     parallel.destroy()
     checks["own_group"] = _own_process_group()
@@ -358,6 +372,11 @@ def test_compiled_layers_change_nothing(one_process):
     run, compiled = one_process[1]["compiled"]
     assert compiled and all(compiled)
     _assert_same_run(run, one_process[0]["qwen2", "megatron"])
+
+
+def test_megatrons_torch_adam_steps_with_the_fused_kernel(one_process):
+    kernels = one_process[1]["adam_kernels"]
+    assert kernels and all(k == (True, False, True) for k in kernels)
 
 
 def test_an_fp16_overflow_skips_the_update(one_process):
