@@ -413,3 +413,31 @@ def test_from_pretrained_reads_each_rank_slices_exactly(two_ranks):
     for _, loaded, _ in per_rank:
         assert loaded.keys() == want.keys()
         assert all(torch.equal(loaded[n], want[n]) for n in want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_a_padded_training_step_on_cuda_never_syncs_the_host():
+    """fwd_bwd and step of a padded CPU batch queue all their work, the gradient clip included
+    (`twinkle_fn.megatron.multi_tensor`): the grad norm stays on the device. (Packed batches
+    still sync: megatron's THD rotary embedding and, without flash-attn, the per-sample SDPA
+    read the sequence bounds on the host.)"""
+    model = tf.models.from_hf_config(
+        tiny_config(), seed=0, backend="megatron", device="cuda", precision="bf16"
+    )
+    try:
+        state = tf.init(model, megatron_optimizer(LR))
+        batch = _batch(random_features(4, seed=1), "padded")
+        state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            grads, _ = tf.fwd_bwd(state, batch)
+            state, info = tf.step(state, grads)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert info["grad_norm"].is_cuda
+        assert torch.isfinite(info["loss"]) and torch.isfinite(info["grad_norm"])
+    finally:
+        parallel.destroy()
+        dist.destroy_process_group()
