@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
 
 _BASE = dict(
@@ -76,3 +79,16 @@ def run_triton_interpreted(code: str, *args: str) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Within the block, a CUDA call that makes the host wait for the device raises
+    ``RuntimeError`` (``torch.cuda.set_sync_debug_mode("error")``); the device's queue is
+    drained first, so only the block's own waits count. CUDA only."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -5,7 +5,7 @@ import twinkle_fn as tf
 from twinkle_fn import backends
 from twinkle_fn.backends.transformers_backend import TransformersBackend
 from twinkle_fn.data import pack
-from twinkle_fn.testing import random_features, tiny_config
+from twinkle_fn.testing import no_host_sync, random_features, tiny_config
 
 
 def test_registry_names_and_errors():
@@ -101,11 +101,7 @@ def test_a_training_step_on_cuda_never_syncs_the_host():
     state = tf.init(model, tf.optim.adamw(1e-3))
     batch = pack(random_features(4, seed=1))
     state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         grads, _ = tf.fwd_bwd(state, batch)
         state, info = tf.step(state, grads)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(info["loss"]) and torch.isfinite(info["grad_norm"])

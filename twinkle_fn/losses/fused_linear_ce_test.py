@@ -13,6 +13,7 @@ from twinkle_fn.losses import (
 )
 from twinkle_fn.losses.fused_linear_ce import TokenLossOutput, supervised_rows
 from twinkle_fn.pytree import tree_leaves
+from twinkle_fn.testing import no_host_sync
 
 IGNORE = -100
 
@@ -496,13 +497,9 @@ def test_cuda_with_precomputed_rows_never_syncs():
     hidden, weight, bias = (t.detach().cuda().requires_grad_() for t in (hidden, weight, bias))
     rows = supervised_rows(labels, IGNORE, "cuda")  # from CPU labels: no device sync
     labels = labels.cuda()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         out = _fused(hidden, weight, labels, bias, chunk_size=8, supervised_rows=rows)
         out.loss_sum.backward()
         with pytest.raises(RuntimeError, match="synchroniz"):
             _fused(hidden, weight, labels, bias, chunk_size=8)  # counts its rows: a sync
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert hidden.grad is not None and torch.isfinite(out.loss_sum)
