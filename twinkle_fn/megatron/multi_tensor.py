@@ -34,15 +34,17 @@ def scale(
     chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], factor: object
 ) -> None:
     """``dst = src * factor`` for each pair of ``tensor_lists = [src, dst]``; `factor` a float
-    or a one-element tensor on the tensors' device (read there, never on the host)."""
+    or a one-element tensor on the tensors' device (read there, never on the host). Separate
+    lists are copied (cast to dst's dtype), then scaled in place: no temporary copy of `src`
+    (megatron copies its main parameters into the model's this way, with factor 1)."""
     del chunk_size, noop_flag
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
     if isinstance(factor, Tensor):
         factor = factor.reshape(())
-    if all(s is d for s, d in zip(src, dst, strict=True)):
+    if not all(s is d for s, d in zip(src, dst, strict=True)):
+        torch._foreach_copy_(dst, src)
+    if isinstance(factor, Tensor) or factor != 1:
         torch._foreach_mul_(dst, factor)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, factor))
 
 
 def install() -> None:

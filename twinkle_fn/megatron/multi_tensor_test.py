@@ -36,6 +36,13 @@ def test_scale_in_place_and_into_other_tensors(as_tensor):
     assert all(torch.equal(s, e) for s, e in zip(src, expected, strict=True))
 
 
+def test_scale_by_one_copies_into_another_dtype():
+    src = _tensors()
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+    multi_tensor.scale(2048, None, [src, dst], 1.0)
+    assert all(torch.equal(d, s.bfloat16()) for d, s in zip(dst, src, strict=True))
+
+
 @pytest.fixture
 def restored_clip_grads(monkeypatch):
     """megatron's module globals as they were, whatever `install` does to them here."""
