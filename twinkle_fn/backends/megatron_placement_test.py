@@ -62,7 +62,7 @@ def _recompute_runs():
     from twinkle_fn.backends.megatron import megatron_optimizer
     from twinkle_fn.data import pack
     from twinkle_fn.megatron import parallel
-    from twinkle_fn.megatron.spec import SDPAAttention
+    from twinkle_fn.megatron.attention import SDPAAttention
     from twinkle_fn.testing import random_features
 
     out = {}

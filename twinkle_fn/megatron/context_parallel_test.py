@@ -82,7 +82,7 @@ def _config(cp, **overrides):
 
 def _run(cp_size, rank, mask_type, window, bounds, seed):
     """Output and q/k/v gradients on this rank's chunks and on the whole sequence."""
-    from twinkle_fn.megatron.spec import SDPAAttention
+    from twinkle_fn.megatron.attention import SDPAAttention
 
     total, batch = bounds[-1], 1 if len(bounds) > 2 else 2
     g = torch.Generator().manual_seed(seed)
