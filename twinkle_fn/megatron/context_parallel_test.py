@@ -9,9 +9,10 @@ q, k and v agree to 1e-12 absolute (observed ~1e-16).
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
+from twinkle_fn.megatron.attention_test import DIM, GROUPS, HEADS
+from twinkle_fn.megatron.attention_test import _config as attention_config
 from twinkle_fn.megatron.context_parallel import (
     global_order,
     sequence_multiple,
@@ -20,7 +21,6 @@ from twinkle_fn.megatron.context_parallel import (
 )
 from twinkle_fn.testing_dist import spawn
 
-HEADS, GROUPS, DIM = 4, 2, 8
 TOL = dict(rtol=0, atol=1e-12)
 
 
@@ -66,18 +66,7 @@ def test_sequences_that_do_not_split_are_refused(call, match):
 
 
 def _config(cp, **overrides):
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=HEADS * DIM,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        kv_channels=DIM,
-        normalization="RMSNorm",
-        attention_dropout=0.0,
-        context_parallel_size=cp,
-        use_cpu_initialization=True,
-        **overrides,
-    )
+    return attention_config(context_parallel_size=cp, **overrides)
 
 
 def _run(cp_size, rank, mask_type, window, bounds, seed):
