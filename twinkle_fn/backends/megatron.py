@@ -29,12 +29,13 @@ pipeline size), ``vocab_multiple`` (vocabulary padding unit per tp rank; default
 ``peft.LoraConfig``: train LoRA adapters only, see `twinkle_fn.megatron.lora`),
 ``overlap_grad_reduce`` (reduce gradients during backward; default True), ``grad_bucket_size``
 (gradient elements per reduction bucket; default megatron's ``max(4e7, 1e6 * dp)`` with overlap,
-one bucket without), ``compile_layers`` (``True`` or a dict of ``torch.compile`` arguments:
-compile each decoder layer of this stage, as on the transformers backend) and any
-``TransformerConfig`` field (e.g. ``recompute_granularity``) but those the mesh, the precision
-and the loss decide (parallel sizes, sequence parallelism, ``bf16`` / ``fp16``, per-token loss). A model built with ``activation_checkpointing=True``
-recomputes every layer in backward (megatron's full, uniform recompute of one layer at a time)
-unless the options say otherwise.
+one bucket without), ``compile_layers`` (``True`` or a dict of ``torch.compile`` arguments
+and ``memory_budget``: compile each decoder layer of this stage, as on the transformers
+backend, see `twinkle_fn.backends.compile_layers`) and any ``TransformerConfig`` field (e.g.
+``recompute_granularity``) but those the mesh, the precision and the loss decide (parallel
+sizes, sequence parallelism, ``bf16`` / ``fp16``, per-token loss). A model built with
+``activation_checkpointing=True`` recomputes every layer in backward (megatron's full, uniform
+recompute of one layer at a time) unless the options say otherwise.
 
 ``overlap_param_gather`` (default False, as in megatron): `step` leaves the distributed
 optimizer's parameter all-gathers in flight and the next forward waits for each bucket as it

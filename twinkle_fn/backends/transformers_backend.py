@@ -25,8 +25,9 @@ class TransformersBackend:
         """Shard the module over `mesh` (tp plan, then FSDP2) unless it already is.
 
         ``Model.options["compile_layers"]``: ``True`` or a dict of ``torch.compile`` arguments
-        compiles each decoder layer (after the tp plan, before FSDP2 wraps it), fusing the
-        norms, rotary embedding, SwiGLU and residual adds that eager mode runs one by one.
+        (and ``memory_budget``, see `twinkle_fn.backends.compile_layers`) compiles each decoder
+        layer (after the tp plan, before FSDP2 wraps it), fusing the norms, rotary embedding,
+        SwiGLU and residual adds that eager mode runs one by one.
         The residual stream runs in the compute dtype on any mesh (`hf.cast_residual_stream`).
         """
         if model.placement is not None:
