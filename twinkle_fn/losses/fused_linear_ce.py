@@ -35,10 +35,11 @@ from twinkle_fn import _triton
 from twinkle_fn.losses.cross_entropy import LossOutput, accumulation_dtype, validate_labels
 
 # Supervised tokens per chunk. The loss runs while the whole forward's activations are alive, so
-# its [chunk, vocab] buffer adds to the step's peak: 0.29 GiB at a 151,936-token vocab in bf16
-# (4096 rows made it 1.16 GiB). On an H200, 1024 rows ran a 0.5B step as fast as 4096 did
-# (benchmarks/NOTES.md): the projections stay large matmuls.
-DEFAULT_CHUNK_SIZE = 1024
+# its [chunk, vocab] buffer adds to the step's peak: 0.58 GiB at a 151,936-token vocab in bf16
+# (4096 rows: 1.16 GiB). On an H200 the weight gradient's matmul (K = chunk) runs at 508 TFLOP/s
+# with 1024 rows and 624 with 2048; all three of a chunk's matmuls take 2.43 ms per 2048 rows at
+# hidden 896, 2.62 ms as two chunks of 1024 (benchmarks/NOTES.md).
+DEFAULT_CHUNK_SIZE = 2048
 
 
 class TokenLossOutput(NamedTuple):
