@@ -18,6 +18,9 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
 - ``twinkle_fsdp_compiled_ckpt``: the same with activation checkpointing of every decoder
   layer (recomputed in backward: the MFU formula does not count the recompute), the memory
   end of the trade-off;
+- ``twinkle_fsdp_compiled_budget``: ``twinkle_fsdp_compiled`` with a memory budget of 0.6
+  for each compiled layer (``compile_layers={"memory_budget": 0.6}``): the partitioner
+  recomputes the cheapest activations per byte instead of whole layers;
 - ``twinkle_megatron``: the same on the megatron backend with its `megatron_optimizer`
   (megatron-core's distributed optimizer), when `twinkle_fn.backends` has that backend;
 - ``twinkle_megatron_compiled``: the same with each decoder layer compiled (GPU only).
@@ -102,6 +105,7 @@ ROWS = (
     "twinkle_fsdp",
     "twinkle_fsdp_compiled",
     "twinkle_fsdp_compiled_ckpt",
+    "twinkle_fsdp_compiled_budget",
     "twinkle_megatron",
     "twinkle_megatron_compiled",
 )
@@ -267,7 +271,7 @@ def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
 
 
 def _skip_reason(name: str, device: torch.device) -> str | None:
-    if name.endswith(("_compiled", "_compiled_ckpt")) and device.type != "cuda":
+    if "_compiled" in name and device.type != "cuda":
         return "GPU only (compiling on a CPU takes minutes)"
     if name.startswith("twinkle_megatron") and "megatron" not in backends.names():
         return "twinkle_fn.backends has no 'megatron' backend yet"
@@ -496,6 +500,12 @@ def _twinkle_fsdp_compiled_ckpt(setup: Setup) -> Iterator[Step]:
 
 
 @contextlib.contextmanager
+def _twinkle_fsdp_compiled_budget(setup: Setup) -> Iterator[Step]:
+    options = {"compile_layers": {"memory_budget": 0.6}}
+    yield _twinkle_step(setup, backend="fsdp", options=options)
+
+
+@contextlib.contextmanager
 def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
     with _megatron_world(setup.device):
         yield _twinkle_step(setup, backend="megatron")
@@ -615,6 +625,7 @@ _ROW_BUILDERS: MappingProxyType[str, RowBuilder] = MappingProxyType(
         "twinkle_fsdp": _twinkle_fsdp,
         "twinkle_fsdp_compiled": _twinkle_fsdp_compiled,
         "twinkle_fsdp_compiled_ckpt": _twinkle_fsdp_compiled_ckpt,
+        "twinkle_fsdp_compiled_budget": _twinkle_fsdp_compiled_budget,
         "twinkle_megatron": _twinkle_megatron,
         "twinkle_megatron_compiled": _twinkle_megatron_compiled,
     }
