@@ -42,10 +42,13 @@ def main(argv: list[str] | None = None) -> dict:
     batch = {k: v.to(device) for k, v in pad_collate(feats, pad_token_id=0).items()}
     tokens = int(batch["attention_mask"].sum())
 
-    times = {
-        "torch loop": _time(_torch_loop(config, device, batch, args.lr), args),
-        "twinkle_fn": _time(_core_loop(config, device, batch, args.lr), args),
-    }
+    times = _time(
+        {
+            "torch loop": _torch_loop(config, device, batch, args.lr),
+            "twinkle_fn": _core_loop(config, device, batch, args.lr),
+        },
+        args,
+    )
     base = times["torch loop"]
     rows = {
         name: {
@@ -89,18 +92,24 @@ def _core_loop(config, device, batch, lr) -> Callable[[], None]:
     return step
 
 
-def _time(step: Callable[[], None], args: argparse.Namespace) -> float:
-    """Median seconds per step after warm-up, synchronising the device around each step."""
-    for _ in range(args.warmup):
-        step()
-    samples = []
+def _time(steps: dict[str, Callable[[], None]], args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds per step of each loop after warm-up, the device synchronised around each
+    step. The loops take turns, one step each (who goes first alternating), so that a slow
+    stretch of a shared machine lands on both alike rather than on whichever ran then."""
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
     for _ in range(args.steps):
-        _sync(args.device)
-        start = time.perf_counter()
-        step()
-        _sync(args.device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name in order:
+            _sync(args.device)
+            start = time.perf_counter()
+            steps[name]()
+            _sync(args.device)
+            samples[name].append(time.perf_counter() - start)
+        order.reverse()
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def _sync(device: str) -> None:
