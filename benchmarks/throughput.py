@@ -523,12 +523,16 @@ def _twinkle_step(
     options: dict[str, Any] | None = None,
     activation_checkpointing: bool = False,
 ) -> Step:
-    with torch.device(setup.device):
+    # The megatron backend builds its own model and reads the HF module's weights once: the
+    # module stays on the CPU (the model's default there), or its float32 copy of every weight
+    # (4 bytes a parameter) would sit on the GPU through the row, counted in its peak.
+    place = torch.device("cpu") if backend == "megatron" else setup.device
+    with torch.device(place):
         model = tf.models.from_hf_config(
             setup.config,
             backend=backend,
             precision="bf16",
-            device=setup.device,
+            device=place,
             seed=0,
             options=options,
             activation_checkpointing=activation_checkpointing,
