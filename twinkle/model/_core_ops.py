@@ -51,7 +51,8 @@ def forward_logps(
     )
     try:
         with autocast, _adapters_off(model.module) if disable_lora else contextlib.nullcontext():
-            logits = model.module(**model_inputs(batch, device), use_cache=False).logits
+            inputs = model_inputs(batch, device, model.config)
+            logits = model.module(**inputs, use_cache=False).logits
     finally:
         backends.get(model.backend).after_eval(model)
     logits = logits / temperature  # [B, T, V]

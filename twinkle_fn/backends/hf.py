@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
 
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
@@ -68,9 +70,15 @@ def _to_autocast_dtype(
     return out
 
 
+# Families whose decoder takes its attention masks ready-made, as ``{layer type: mask}``.
+MASK_MAPPING_FAMILIES = frozenset({"qwen2", "qwen3"})
+
+
 def model_inputs(
-    batch: Mapping[str, torch.Tensor], device: torch.device
-) -> dict[str, torch.Tensor]:
+    batch: Mapping[str, torch.Tensor],
+    device: torch.device,
+    config: PretrainedConfig | None = None,
+) -> dict[str, Any]:
     """The keyword arguments of a transformers decoder for a padded or packed `batch`.
 
     Padded batches pass their ``attention_mask [B, T]`` and ``position_ids [B, T]``. When both
@@ -78,12 +86,17 @@ def model_inputs(
     ``0 .. T-1``), neither is passed: the decoder's defaults give the same result, and
     transformers would otherwise inspect them on the device (for padding, or for packed
     sequences), a host sync in every forward that lets the GPU run dry while the host catches
-    up. Packed batches (with ``cu_seqlens``) get a block-diagonal causal ``[1, 1, T, T]`` mask,
+    up. Without them transformers still inspects the positions it makes itself; a decoder of
+    `MASK_MAPPING_FAMILIES` (by `config`) with full attention in every layer is handed its
+    masks instead, ``{"full_attention": None}`` (SDPA's own causal mask), which skips that.
+    Packed batches (with ``cu_seqlens``) get a block-diagonal causal ``[1, 1, T, T]`` mask,
     since transformers' SDPA path does not isolate packed samples from ``position_ids`` alone.
     """
     ids = batch["input_ids"].to(device, non_blocking=True)  # [B, T]
-    kwargs = {"input_ids": ids}
+    kwargs: dict[str, Any] = {"input_ids": ids}
     if "cu_seqlens" not in batch and _plainly_causal(batch, ids.shape[-1]):
+        if config is not None and _takes_causal_mapping(config):
+            kwargs["attention_mask"] = {"full_attention": None}
         return kwargs
     if "position_ids" in batch:
         kwargs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
@@ -93,6 +106,13 @@ def model_inputs(
     elif "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs
+
+
+def _takes_causal_mapping(config: PretrainedConfig) -> bool:
+    """Whether `config`'s decoder takes ``{"full_attention": None}`` as all its masks."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    full = set(layer_types) == {"full_attention"}
+    return config.model_type in MASK_MAPPING_FAMILIES and full
 
 
 def _plainly_causal(batch: Mapping[str, torch.Tensor], seq: int) -> bool:
@@ -126,7 +146,8 @@ def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         else contextlib.nullcontext()
     )
     with autocast, loss_mode(module.get_output_embeddings(), labels, rows):
-        loss_sum = module(**model_inputs(batch, device), use_cache=False).logits
+        inputs = model_inputs(batch, device, module.config)
+        loss_sum = module(**inputs, use_cache=False).logits
     return LossOutput(loss_sum, (labels != IGNORE_INDEX).sum())
 
 

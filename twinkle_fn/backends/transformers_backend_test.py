@@ -4,7 +4,7 @@ import torch
 import twinkle_fn as tf
 from twinkle_fn import backends
 from twinkle_fn.backends.transformers_backend import TransformersBackend
-from twinkle_fn.data import pack
+from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.testing import no_host_sync, random_features, tiny_config
 
 
@@ -94,12 +94,15 @@ def test_compile_layers_rejects_other_values():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_training_step_on_cuda_never_syncs_the_host():
+@pytest.mark.parametrize("layout", ["packed", "full rows"])
+def test_a_training_step_on_cuda_never_syncs_the_host(layout):
     """fwd_bwd and step of a CPU batch queue all their work: nothing waits on the device, so the
-    host runs ahead (the loss's supervised rows are counted on the CPU, before the forward)."""
+    host runs ahead (the loss's supervised rows are counted on the CPU, before the forward).
+    Full rows take the decoder's own causal mask (a qwen2 decoder is handed it ready-made)."""
     model = tf.models.from_hf_config(tiny_config(), seed=0, device="cuda", precision="bf16")
     state = tf.init(model, tf.optim.adamw(1e-3))
-    batch = pack(random_features(4, seed=1))
+    feats = random_features(4, min_len=12, max_len=12, seed=1)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
     state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
     with no_host_sync():
         grads, _ = tf.fwd_bwd(state, batch)
