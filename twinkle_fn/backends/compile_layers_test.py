@@ -116,9 +116,9 @@ def test_compile_arguments_add_the_partitioner_to_inductor_only():
         compile_arguments({"memory_budget": -0.1})
 
 
-def _qwen2_layer_run(setting):
+def _qwen2_layer_run(setting, device="cpu"):
     """Saved-for-backward bytes, output and gradients of one tiny float32 Qwen2 decoder layer
-    compiled by `compile_layers` with `setting` (inductor, on the CPU)."""
+    on `device` compiled by `compile_layers` with `setting` (inductor)."""
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
@@ -127,10 +127,10 @@ def _qwen2_layer_run(setting):
         hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2
     )
     torch.manual_seed(0)
-    layer = Qwen2DecoderLayer(config, layer_idx=0)
-    x = torch.randn(2, 32, 64, requires_grad=True)  # [batch, seq, hidden]
-    positions = torch.arange(32)[None].expand(2, -1)
-    rope = Qwen2RotaryEmbedding(config)(x, positions)
+    layer = Qwen2DecoderLayer(config, layer_idx=0).to(device)
+    x = torch.randn(2, 32, 64, device=device, requires_grad=True)  # [batch, seq, hidden]
+    positions = torch.arange(32, device=device)[None].expand(2, -1)
+    rope = Qwen2RotaryEmbedding(config).to(device)(x, positions)
     compile_layers([layer], setting)
     saved = {}
 
@@ -147,11 +147,26 @@ def _qwen2_layer_run(setting):
     return activations, out.detach(), x.grad, [p.grad for p in layer.parameters()]
 
 
-def test_a_compiled_decoder_layer_saves_less_at_each_step_and_computes_the_same():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason="inductor's CUDA kernels need a GPU"
+                ),
+            ],
+        ),
+    ],
+)
+def test_a_compiled_decoder_layer_saves_less_at_each_step_and_computes_the_same(device):
     """Inductor's own partition > ours > ours at budget 0, in saved activation bytes; the
     output and gradients agree to float32 rounding (the kernels fuse differently)."""
     default, ours, none = (
-        _qwen2_layer_run(s)
+        _qwen2_layer_run(s, device)
         for s in ({"options": {"custom_partitioner_fn": None}}, True, {"memory_budget": 0.0})
     )
     assert default[0] > ours[0] > none[0]
