@@ -9,8 +9,8 @@ compiled with `RecomputingPartitioner`, which lets the partitioner rebuild them 
 what it keeps (the fc1 output, the residual stream): a pointwise kernel each, fused into the
 backward kernels that read those inputs anyway. A ``memory_budget`` below 1 trades more
 recompute (matmuls, attention) for memory, layer by layer: activation checkpointing's trade,
-at a finer grain (at 1.5B on an H200, budget 0.6 held 25.4 GiB at 40.3% MFU where
-checkpointing every layer held 24.0 GiB at 33.7%; `benchmarks/NOTES.md`).
+at a finer grain (at 1.5B on an H200, budget 0.6 held 25.4 GiB at 40.9% MFU where
+checkpointing every layer held 24.0 GiB at 35.4%; `benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
