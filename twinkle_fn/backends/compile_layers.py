@@ -77,18 +77,19 @@ def compile_arguments(setting: object) -> dict[str, Any]:
         )
     kwargs = {} if setting is True else dict(setting)
     budget = kwargs.pop("memory_budget", None)
-    options = kwargs.pop("options", {})
+    options = kwargs.get("options", {})
     if kwargs.get("backend", "inductor") != "inductor" or "custom_partitioner_fn" in options:
         if budget is not None:
             raise ValueError(
                 "compile_layers' memory_budget sets inductor's partitioner; drop it, or the "
                 "backend / custom_partitioner_fn that replaces that partitioner"
             )
-        return {**kwargs, "options": options} if options else kwargs
+        return kwargs
     mode = kwargs.pop("mode", None)
     partitioner = RecomputingPartitioner(1.0 if budget is None else budget)
-    options = {**(list_mode_options(mode) if mode else {}), **options}
-    return {**kwargs, "options": {**options, "custom_partitioner_fn": partitioner}}
+    mode_options = list_mode_options(mode) if mode else {}
+    kwargs["options"] = {**mode_options, **options, "custom_partitioner_fn": partitioner}
+    return kwargs
 
 
 def compile_layers(layers: Iterable[torch.nn.Module], setting: object) -> None:
