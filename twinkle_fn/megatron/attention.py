@@ -3,8 +3,8 @@
 megatron-core's local spec computes attention with an unfused ``[seq, seq]`` matrix (3x slower
 than a plain transformers loop on an H200). This module keeps megatron's constructor and
 ``forward`` signature and computes it with ``torch.nn.functional.scaled_dot_product_attention``;
-packed (THD) sequences take flash-attn's varlen kernel when ``flash_attn`` is importable, else
-SDPA per packed sample; under context parallelism, SDPA per local chunk over keys and values
+packed (THD) sequences take a varlen kernel on the GPU (flash-attn's when importable, else torch's
+own; `twinkle_fn.varlen_attention`), else SDPA per packed sample; under context parallelism, SDPA per local chunk over keys and values
 all-gathered across the context-parallel group (`twinkle_fn.megatron.context_parallel`).
 `twinkle_fn.megatron.spec` puts it in the layer spec.
 """
@@ -12,10 +12,8 @@ all-gathered across the context-parallel group (`twinkle_fn.megatron.context_par
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,19 +27,9 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from twinkle_fn.megatron.context_parallel import context_parallel_attention
+from twinkle_fn.varlen_attention import packed_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def _flash_varlen() -> Callable[..., Tensor] | None:
-    """flash-attn's ``flash_attn_varlen_func`` if flash-attn is importable, else None."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
 
 
 def _first_set(*values: Tensor | None) -> Tensor | None:
@@ -249,23 +237,22 @@ class SDPAAttention(MegatronModule):
             raise ValueError("packed (thd) attention needs packed_seq_params.cu_seqlens_q")
         if cu_kv is not None and not torch.equal(cu_q, cu_kv):
             raise ValueError("SDPAAttention packs self-attention only: cu_seqlens_q must equal _kv")
-        flash = _flash_varlen()
-        if flash is not None and query.dtype in _FLASH_DTYPES:
-            cu = cu_q.to(torch.int32)
-            max_len = params.max_seqlen_q or int((cu[1:] - cu[:-1]).max())
-            out = flash(
-                query,
-                key,
-                value,
-                cu,
-                cu,
-                max_len,
-                max_len,
-                dropout_p=dropout_p,
-                softmax_scale=self.softmax_scale,
-                causal=causal,
-                window_size=self.window or (-1, -1),
-            )
+        max_len = params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max())
+        out = packed_attention(
+            query,
+            key,
+            value,
+            cu_q,
+            max_len,
+            scale=self.softmax_scale,
+            causal=causal,
+            window=self.window,
+            dropout_p=dropout_p,
+        )
+        if out is not None:
+            # varlen kernels leave the tokens past the last boundary (padding) unwritten
+            tail = torch.arange(out.shape[0], device=out.device) >= cu_q[-1]
+            out = out.masked_fill(tail[:, None, None], 0.0)
             return out.reshape(out.shape[0], -1)
         bounds = [int(b) for b in cu_q.tolist()]
         pieces = []

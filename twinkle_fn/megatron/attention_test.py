@@ -9,7 +9,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-from twinkle_fn.megatron import attention as attention_module
+from twinkle_fn import varlen_attention
 from twinkle_fn.megatron import cpu_compat
 from twinkle_fn.megatron.attention import SDPAAttention
 
@@ -142,6 +142,23 @@ def test_packed_padding_follows_the_padded_boundaries_and_the_tail_is_zero():
     assert torch.equal(out[8:], torch.zeros(2, HEADS * DIM))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel needs CUDA")
+def test_packed_bf16_on_cuda_takes_torchs_varlen_kernel(monkeypatch):
+    """Without flash-attn, bf16 THD on CUDA runs torch's varlen kernel (never the per-sample
+    loop); the padded tail is zero. Tolerance: bf16 output, 8 mantissa bits at |out| < 3."""
+    assert varlen_attention.flash_varlen() is None and varlen_attention.torch_varlen()
+    monkeypatch.setattr(SDPAAttention, "_attend", lambda *a: pytest.fail("per-sample SDPA ran"))
+    padded = torch.tensor([0, 4, 8], dtype=torch.int32)
+    (q, k, v), params, _ = _packed([3, 2], total=10, padded=padded)
+    cuda = [t.cuda().bfloat16() for t in (q, k, v)]
+    params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = padded.cuda()
+    out = _attention()(*cuda, None, packed_seq_params=params)
+    want = _per_sample(q[:8], k[:8], v[:8], padded)
+    torch.testing.assert_close(out[:8].double().cpu(), want, rtol=0, atol=2e-2)
+    assert torch.equal(out[8:].cpu(), torch.zeros(2, HEADS * DIM, dtype=torch.bfloat16))
+
+
 def test_flash_varlen_is_used_when_importable_for_half_precision(monkeypatch):
     calls = []
 
@@ -149,13 +166,11 @@ def test_flash_varlen_is_used_when_importable_for_half_precision(monkeypatch):
         calls.append((cu_q, max_q, kwargs))
         return torch.zeros_like(q)
 
-    assert (
-        attention_module._flash_varlen() is None
-    )  # flash-attn cannot be installed on a CPU machine
+    assert varlen_attention.flash_varlen() is None  # flash-attn cannot be installed on a CPU
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    attention_module._flash_varlen.cache_clear()
+    varlen_attention.flash_varlen.cache_clear()
     try:
         (q, k, v), params, cu = _packed([3, 5])
         attention = _attention()
@@ -169,7 +184,7 @@ def test_flash_varlen_is_used_when_importable_for_half_precision(monkeypatch):
         assert len(calls) == 1
         torch.testing.assert_close(fp32.double(), _per_sample(q, k, v, cu), **TOL)
     finally:
-        attention_module._flash_varlen.cache_clear()
+        varlen_attention.flash_varlen.cache_clear()
 
 
 def test_dropout_draws_from_the_model_parallel_rng_stream():
