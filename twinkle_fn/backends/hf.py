@@ -16,11 +16,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
+from twinkle_fn.backends import hf_attention
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
 from twinkle_fn.losses import LossOutput, supervised_rows
 from twinkle_fn.models.lm_head import loss_mode
 from twinkle_fn.state import Grads, TrainState
+from twinkle_fn.varlen_attention import block_causal_mask
 
 _LCG_MUL = 6364136223846793005
 _LCG_INC = 1442695040888963407
@@ -89,8 +91,12 @@ def model_inputs(
     up. Without them transformers still inspects the positions it makes itself; a decoder of
     `MASK_MAPPING_FAMILIES` (by `config`) with full attention in every layer is handed its
     masks instead, ``{"full_attention": None}`` (SDPA's own causal mask), which skips that.
-    Packed batches (with ``cu_seqlens``) get a block-diagonal causal ``[1, 1, T, T]`` mask,
-    since transformers' SDPA path does not isolate packed samples from ``position_ids`` alone.
+    A packed row (with ``cu_seqlens``) for a decoder on `hf_attention.NAME` passes its
+    boundaries (`hf_attention.packed_kwargs`), so its attention runs a varlen kernel, and a
+    mask transformers need not build (the mapping above, or one made on the device from the
+    boundaries, which the varlen kernel does not read). Other packed batches get a
+    block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not
+    isolate packed samples from ``position_ids`` alone.
     """
     ids = batch["input_ids"].to(device, non_blocking=True)  # [B, T]
     kwargs: dict[str, Any] = {"input_ids": ids}
@@ -100,12 +106,36 @@ def model_inputs(
         return kwargs
     if "position_ids" in batch:
         kwargs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
-    if "cu_seqlens" in batch:
+    if "cu_seqlens" in batch and _takes_packed_kwargs(config, ids):
+        kwargs.update(hf_attention.packed_kwargs(batch["cu_seqlens"], _max_seqlen(batch), device))
+        causal_mapping = _takes_causal_mapping(config)
+        # The varlen path reads no mask; a tensor (or a mapping) stops transformers building one.
+        kwargs["attention_mask"] = (
+            {"full_attention": None}
+            if causal_mapping
+            else block_causal_mask(kwargs["cu_seq_lens_q"], ids.shape[-1])
+        )
+    elif "cu_seqlens" in batch:
         mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
         kwargs["attention_mask"] = mask.to(device, non_blocking=True)
     elif "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs
+
+
+def _takes_packed_kwargs(config: PretrainedConfig | None, ids: torch.Tensor) -> bool:
+    """Whether a packed row goes to `hf_attention`'s varlen path: the decoder runs
+    `hf_attention.NAME` and the batch is one row."""
+    impl = None if config is None else config._attn_implementation
+    return impl == hf_attention.NAME and ids.shape[0] == 1
+
+
+def _max_seqlen(batch: Mapping[str, Any]) -> int | None:
+    """The batch's ``max_seqlen`` as a host int (`twinkle_fn.data.pack` adds it), else None."""
+    value = batch.get("max_seqlen")
+    if isinstance(value, torch.Tensor):
+        return int(value) if value.device.type == "cpu" else None
+    return value
 
 
 def _takes_causal_mapping(config: PretrainedConfig) -> bool:

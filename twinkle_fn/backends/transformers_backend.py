@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from twinkle_fn.backends import fsdp, hf
+from twinkle_fn.backends import fsdp, hf, hf_attention
 from twinkle_fn.loss_scale import next_loss_scale
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
@@ -29,10 +29,13 @@ class TransformersBackend:
         layer (after the tp plan, before FSDP2 wraps it), fusing the norms, rotary embedding,
         SwiGLU and residual adds that eager mode runs one by one.
         The residual stream runs in the compute dtype on any mesh (`hf.cast_residual_stream`).
+        A module on transformers' SDPA attention switches to `hf_attention.NAME`, which runs
+        packed rows on a varlen kernel.
         """
         if model.placement is not None:
             return model
         hf.cast_residual_stream(model.module)
+        hf_attention.use_varlen_attention(model.module)
         if mesh.world_size == 1:
             fsdp.compile_layers(model)
             return model
