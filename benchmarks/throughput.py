@@ -522,7 +522,10 @@ def _twinkle_step(
     backend: str,
     options: dict[str, Any] | None = None,
     activation_checkpointing: bool = False,
+    batch: dict[str, Any] | None = None,
 ) -> Step:
+    """``tf.fwd_bwd`` + ``tf.step`` on `backend`; `batch` (a host batch) defaults to the
+    padded full rows of ``setup.input_ids``."""
     # The megatron backend builds its own model and reads the HF module's weights once: the
     # module stays on the CPU (the model's default there), or its float32 copy of every weight
     # (4 bytes a parameter) would sit on the GPU through the row, counted in its peak.
@@ -538,7 +541,8 @@ def _twinkle_step(
             activation_checkpointing=activation_checkpointing,
         )
     holder = [tf.init(model, twinkle_optimizer(backend))]
-    batch = host_batch(padded_batch(setup.input_ids.cpu()), setup.device)
+    if batch is None:
+        batch = host_batch(padded_batch(setup.input_ids.cpu()), setup.device)
 
     def step() -> torch.Tensor:
         grads, _ = tf.fwd_bwd(holder[0], batch)
