@@ -1,4 +1,4 @@
-"""Training throughput on packed rows: twinkle_fn's varlen attention beside a plain transformers loop.
+"""Training throughput on packed rows: twinkle_fn's varlen attention beside a plain loop.
 
 Samples of varied lengths packed back to back into one row (`twinkle_fn.data.pack`, what
 ``twinkle train`` feeds), the same Qwen2.5-shaped random-init model, bf16 autocast over fp32

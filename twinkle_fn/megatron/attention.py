@@ -3,9 +3,10 @@
 megatron-core's local spec computes attention with an unfused ``[seq, seq]`` matrix (3x slower
 than a plain transformers loop on an H200). This module keeps megatron's constructor and
 ``forward`` signature and computes it with ``torch.nn.functional.scaled_dot_product_attention``;
-packed (THD) sequences take a varlen kernel on the GPU (flash-attn's when importable, else torch's
-own; `twinkle_fn.varlen_attention`), else SDPA per packed sample; under context parallelism, SDPA per local chunk over keys and values
-all-gathered across the context-parallel group (`twinkle_fn.megatron.context_parallel`).
+packed (THD) sequences take a varlen kernel on the GPU (flash-attn's when importable, else
+torch's own; `twinkle_fn.varlen_attention`), else SDPA per packed sample; under context
+parallelism, SDPA per local chunk over keys and values all-gathered across the
+context-parallel group (`twinkle_fn.megatron.context_parallel`).
 `twinkle_fn.megatron.spec` puts it in the layer spec.
 """
 
