@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         if row["status"] == "ok":
             row["mfu"] = tp.mfu(row["tokens_per_s"], fpt, peak)
         result["rows"][name] = row
-        _add_ratios(result["rows"])
+        tp.add_ratios(result["rows"], BASELINES)
         print(f"{name}: {_line(row)}", flush=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
@@ -211,20 +211,6 @@ _ROW_BUILDERS: dict[str, Builder] = {
     "twinkle_megatron": _twinkle("megatron", compiled=False),
     "twinkle_megatron_compiled": _twinkle("megatron", compiled=True),
 }
-
-
-def _add_ratios(rows: dict[str, dict[str, Any]]) -> None:
-    """Each ok row's tokens/s over each baseline's, and its peak memory over hf_compiled's."""
-    for row in rows.values():
-        if row["status"] != "ok":
-            continue
-        for base in BASELINES:
-            ref = rows.get(base, {})
-            ok = ref.get("status") == "ok"
-            row[f"x_{base}"] = row["tokens_per_s"] / ref["tokens_per_s"] if ok else None
-        ref = rows.get("hf_compiled", {})
-        ok = ref.get("status") == "ok" and row["peak_mem_gib"] is not None
-        row["mem_vs_hf_compiled"] = row["peak_mem_gib"] / ref["peak_mem_gib"] if ok else None
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["mfu"] = mfu(row["tokens_per_s"], result["flops_per_token"], result["peak_flops"])
         result["rows"][name] = row
         _print_row(name, row)
-        _add_ratios(result["rows"])
+        add_ratios(result["rows"])
         _write(result, args.json)
     _print_table(result)
     return result
@@ -329,12 +329,14 @@ def _allocated_gib(device: torch.device) -> float | None:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def _add_ratios(rows: dict[str, dict[str, Any]]) -> None:
-    """Speed-ups (tokens/s over each baseline's) and peak memory over the compiled loop's."""
+def add_ratios(rows: dict[str, dict[str, Any]], baselines: Sequence[str] = BASELINES) -> None:
+    """Speed-ups (tokens/s over each of `baselines`') and peak memory over the compiled loop's
+    (``hf_compiled``), written into each ok row as ``x_<baseline>`` and ``mem_vs_hf_compiled``
+    (None where the reference did not run)."""
     for row in rows.values():
         if row["status"] != "ok":
             continue
-        for base in BASELINES:
+        for base in baselines:
             ref = rows.get(base, {})
             ok = ref.get("status") == "ok"
             row[f"x_{base}"] = row["tokens_per_s"] / ref["tokens_per_s"] if ok else None
