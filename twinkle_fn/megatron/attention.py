@@ -28,6 +28,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from twinkle_fn.megatron.context_parallel import context_parallel_attention
+from twinkle_fn.megatron.packed_rotary import rotary_freqs, rotate
 from twinkle_fn.varlen_attention import packed_attention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -46,7 +47,9 @@ class SDPAAttention(MegatronModule):
     (True = masked out, broadcastable to ``[b, 1, sq, sk]``), combined with causality and the
     config's sliding window. Packed sequences (``packed_seq_params.qkv_format == 'thd'``) take
     ``[tokens, heads, dim]`` and attend causally within each sample of ``cu_seqlens_q`` (the
-    padded boundaries when given); output ``[tokens, heads * dim]``.
+    padded boundaries when given); output ``[tokens, heads * dim]``. When they carry each
+    token's rotary angles (`twinkle_fn.megatron.packed_rotary`), queries and keys are rotated
+    here first: the layer spec's ``SelfAttention`` left that to this module.
 
     With ``config.context_parallel_size > 1`` the inputs are this rank's two chunks of every
     sequence (of every packed sample for THD, whose boundaries are then the global ones), as
@@ -113,6 +116,9 @@ class SDPAAttention(MegatronModule):
         """Attention output, ``[sq, b, heads * dim]`` (THD: ``[tokens, heads * dim]``)."""
         if attention_bias is not None:
             raise ValueError("SDPAAttention does not take an attention_bias; pass None")
+        freqs = rotary_freqs(packed_seq_params)
+        if freqs is not None:
+            query, key = rotate(query, freqs), rotate(key, freqs)
         causal = (attn_mask_type or self.attn_mask_type) in _CAUSAL
         dropout_p = self.dropout_p if self.training else 0.0
         # Dropout in the tensor-parallel region draws from megatron's model-parallel RNG stream.

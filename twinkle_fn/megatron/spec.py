@@ -8,7 +8,9 @@ This spec keeps megatron-core's parallel linears, MLP and MoE layers and swaps i
   ``finalize_model_grads`` all-reduces its gradient over the tensor-parallel group under SP
   (megatron's torch norms refuse sequence parallelism); torch.compile'd when
   ``config.persist_layer_norm`` (the default with CUDA);
-- `RowParallelLinear`: megatron-core's, handing its matmul its tensor-parallel group.
+- `RowParallelLinear`: megatron-core's, handing its matmul its tensor-parallel group;
+- `SelfAttention`: megatron-core's, leaving a packed row's rotary embedding to the core
+  attention when the row carries each token's angles (`twinkle_fn.megatron.packed_rotary`).
 
 With TransformerEngine importable, `layer_spec` uses TE's modules instead, laid out the same way
 (separate norms, no fused norm-linear) so that parameter names are identical across backends:
@@ -27,7 +29,8 @@ from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer import attention as mcore_attention
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -45,6 +48,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch import Tensor
 
 from twinkle_fn.megatron.attention import SDPAAttention
+from twinkle_fn.megatron.packed_rotary import rotary_freqs
 
 
 def have_te() -> bool:
@@ -121,6 +125,19 @@ class RowParallelLinear(tensor_parallel.RowParallelLinear):
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
+class SelfAttention(mcore_attention.SelfAttention):
+    """megatron-core's ``SelfAttention``; a packed row whose ``packed_seq_params`` carry each
+    token's rotary angles (`twinkle_fn.megatron.packed_rotary.with_rotary`) is not rotated
+    here but by `SDPAAttention`, in one pass. megatron-core rotates packed rows sample by
+    sample at boundaries it reads on the host, in every layer."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """megatron's ``SelfAttention.forward``; `kwargs` as ``TransformerLayer`` passes them."""
+        if rotary_freqs(kwargs.get("packed_seq_params")) is not None:
+            kwargs["rotary_pos_emb"] = None
+        return super().forward(*args, **kwargs)
+
+
 class _SDPASpecProvider(LocalSpecProvider):
     """megatron-core's local modules, with `SDPAAttention`, `RMSNorm` and `RowParallelLinear`."""
 
@@ -166,7 +183,10 @@ def layer_spec(
     norm = backend.layer_norm(rms_norm=True, for_qk=False)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if config.qk_layernorm else IdentityOp
     attention = ModuleSpec(
-        module=SelfAttention,
+        # TE's core attention does not apply `packed_rotary` angles: megatron rotates there
+        module=SelfAttention
+        if isinstance(backend, _SDPASpecProvider)
+        else mcore_attention.SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=backend.column_parallel_linear(),
