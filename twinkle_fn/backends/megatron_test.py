@@ -418,17 +418,19 @@ def test_from_pretrained_reads_each_rank_slices_exactly(two_ranks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
-def test_a_padded_training_step_on_cuda_never_syncs_the_host():
-    """fwd_bwd and step of a padded CPU batch queue all their work, the gradient clip included
-    (`twinkle_fn.megatron.multi_tensor`): the grad norm stays on the device. (Packed batches
-    still sync: megatron's THD rotary embedding and, without flash-attn, the per-sample SDPA
-    read the sequence bounds on the host.)"""
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_training_step_on_cuda_never_syncs_the_host(layout):
+    """fwd_bwd and step of a CPU batch queue all their work, the gradient clip included
+    (`twinkle_fn.megatron.multi_tensor`): the grad norm stays on the device. A packed row is
+    rotated from each token's position (`twinkle_fn.megatron.packed_rotary`; megatron's own
+    THD rotation reads the sample bounds on the host in every layer) and attends on a varlen
+    kernel."""
     model = tf.models.from_hf_config(
         tiny_config(), seed=0, backend="megatron", device="cuda", precision="bf16"
     )
     try:
         state = tf.init(model, megatron_optimizer(LR))
-        batch = _batch(random_features(4, seed=1), "padded")
+        batch = _batch(random_features(4, seed=1), layout)
         state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
         with no_host_sync():
             grads, _ = tf.fwd_bwd(state, batch)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from twinkle_fn.megatron.context_parallel import (
     split_sequence,
 )
 from twinkle_fn.megatron.fused_loss import FusedLoss, fused_loss_applies, fused_token_losses
+from twinkle_fn.megatron.packed_rotary import with_rotary
 
 PAD_TOKEN_ID = 0  # fills positions added to reach a sequence multiple; their labels are ignored
 
@@ -61,6 +62,8 @@ class MicroBatch:
     under context parallelism), else None. ``supervised_rows`` (set once on the device) are the
     flat indices of the supervised labels in the ``[s, b]`` layout of the last stage's hidden
     states, found before the forward so the fused loss does not sync the host mid-step.
+    ``bounds`` are ``packed``'s boundaries as host ints, so that nothing reads them back from
+    the device.
     """
 
     input_ids: Tensor
@@ -68,6 +71,7 @@ class MicroBatch:
     labels: Tensor
     packed: PackedSeqParams | None = None
     supervised_rows: Tensor | None = None
+    bounds: tuple[int, ...] | None = None
 
 
 def micro_batches(
@@ -201,7 +205,7 @@ def _packed(
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
         )
-        out.append(MicroBatch(row_ids, positions, row_labels, params))
+        out.append(MicroBatch(row_ids, positions, row_labels, params, bounds=tuple(cu)))
     return out
 
 
@@ -209,14 +213,18 @@ def _on_cp_rank(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
     """`mb` with only context-parallel rank `cp_rank`'s chunks of each sequence (sample)."""
     if cp_size == 1 and cp_rank == 0:
         return mb
-    cu = None if mb.packed is None else mb.packed.cu_seqlens_q.tolist()
 
     def local(t: Tensor) -> Tensor:
-        if cu is None:
+        if mb.bounds is None:
             return split_sequence(t, cp_size, cp_rank)
-        return split_packed(t, cu, cp_size, cp_rank)
+        return split_packed(t, mb.bounds, cp_size, cp_rank)
 
-    return MicroBatch(local(mb.input_ids), local(mb.position_ids), local(mb.labels), mb.packed)
+    return replace(
+        mb,
+        input_ids=local(mb.input_ids),
+        position_ids=local(mb.position_ids),
+        labels=local(mb.labels),
+    )
 
 
 def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -236,6 +244,7 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
         mb.labels.to(device, non_blocking=True),
         packed,
         supervised_rows(mb.labels.t(), IGNORE_INDEX, device),
+        mb.bounds,
     )
 
 
@@ -339,12 +348,15 @@ def forward_backward(
 
     def step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Any]:
         mb = next(data_iterator)
+        packed = mb.packed
+        if packed is not None:  # rotated from each token's position, in one pass per layer
+            packed = with_rotary(packed, model, mb.position_ids)
         out = model(
             mb.input_ids,
             mb.position_ids,
             None,
             labels=mb.labels,
-            packed_seq_params=mb.packed,
+            packed_seq_params=packed,
             output_processor=functools.partial(_output_losses, supervised_rows=mb.supervised_rows),
             output_processor_context=vocab_size,
         )
@@ -401,10 +413,7 @@ def merge_logps(
     """
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     bounds = [
-        [0, mb.labels.shape[1] * cp_size]
-        if mb.packed is None
-        else [int(b) for b in mb.packed.cu_seqlens_q.tolist()]
-        for mb in batches
+        [0, mb.labels.shape[1] * cp_size] if mb.bounds is None else mb.bounds for mb in batches
     ]
     if cp_size > 1:
         logps = _gather_cp(logps, bounds, cp_group)
