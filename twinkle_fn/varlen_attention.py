@@ -10,7 +10,6 @@ device without reading ``cu_seqlens`` on the host.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 
@@ -20,9 +19,7 @@ from torch import Tensor
 _HALF = (torch.float16, torch.bfloat16)
 
 
-@functools.cache
-def flash_varlen() -> Callable[..., Tensor] | None:
-    """flash-attn's ``flash_attn_varlen_func`` if flash-attn is importable, else None."""
+def _flash_varlen() -> Callable[..., Tensor] | None:
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
@@ -30,9 +27,7 @@ def flash_varlen() -> Callable[..., Tensor] | None:
     return flash_attn_varlen_func
 
 
-@functools.cache
-def torch_varlen() -> Callable[..., Tensor] | None:
-    """torch's ``varlen_attn`` (its bundled flash kernel) if this torch has it, else None."""
+def _torch_varlen() -> Callable[..., Tensor] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -40,9 +35,16 @@ def torch_varlen() -> Callable[..., Tensor] | None:
     return varlen_attn
 
 
-@functools.cache
-def _takes_enable_gqa(fn: Callable[..., Tensor]) -> bool:
-    return "enable_gqa" in inspect.signature(fn).parameters
+# Looked up once, at import: called inside a compiled layer, an import attempt (or a
+# functools.cache around one) is a graph break in every layer; module constants are guards.
+FLASH_VARLEN = _flash_varlen()
+"""flash-attn's ``flash_attn_varlen_func`` if flash-attn is importable, else None."""
+TORCH_VARLEN = _torch_varlen()
+"""torch's ``varlen_attn`` (its bundled flash kernel) if this torch has it, else None."""
+# torch < 2.13's varlen_attn takes as many key / value heads as query heads
+_TORCH_VARLEN_GQA = TORCH_VARLEN is not None and (
+    "enable_gqa" in inspect.signature(TORCH_VARLEN).parameters
+)
 
 
 def packed_attention(
@@ -70,8 +72,8 @@ def packed_attention(
         return None
     cu = cu_seqlens.to(torch.int32)
     left, right = window or (-1, -1)
-    if (flash := flash_varlen()) is not None:
-        return flash(
+    if FLASH_VARLEN is not None:
+        return FLASH_VARLEN(
             query,
             key,
             value,
@@ -84,18 +86,18 @@ def packed_attention(
             causal=causal,
             window_size=(left, right),
         )
-    if (varlen := torch_varlen()) is None or not query.is_cuda or dropout_p > 0.0:
+    if TORCH_VARLEN is None or not query.is_cuda or dropout_p > 0.0:
         return None
     kwargs = {}
     if query.shape[1] != key.shape[1]:
-        if _takes_enable_gqa(varlen):
+        if _TORCH_VARLEN_GQA:
             kwargs["enable_gqa"] = True
-        else:  # torch < 2.13 takes as many key / value heads as query heads
+        else:
             groups = query.shape[1] // key.shape[1]
             key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     # flash's causal mask is a window reaching no key to the right of the query
     window_size = (left, 0) if causal else (left, right)
-    return varlen(
+    return TORCH_VARLEN(
         query,
         key,
         value,

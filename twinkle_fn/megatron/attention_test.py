@@ -147,7 +147,7 @@ def test_packed_padding_follows_the_padded_boundaries_and_the_tail_is_zero():
 def test_packed_bf16_on_cuda_takes_torchs_varlen_kernel(monkeypatch):
     """Without flash-attn, bf16 THD on CUDA runs torch's varlen kernel (never the per-sample
     loop); the padded tail is zero. Tolerance: bf16 output, 8 mantissa bits at |out| < 3."""
-    assert varlen_attention.flash_varlen() is None and varlen_attention.torch_varlen()
+    assert varlen_attention.FLASH_VARLEN is None and varlen_attention.TORCH_VARLEN
     monkeypatch.setattr(SDPAAttention, "_attend", lambda *a: pytest.fail("per-sample SDPA ran"))
     padded = torch.tensor([0, 4, 8], dtype=torch.int32)
     (q, k, v), params, _ = _packed([3, 2], total=10, padded=padded)
@@ -166,25 +166,23 @@ def test_flash_varlen_is_used_when_importable_for_half_precision(monkeypatch):
         calls.append((cu_q, max_q, kwargs))
         return torch.zeros_like(q)
 
-    assert varlen_attention.flash_varlen() is None  # flash-attn cannot be installed on a CPU
+    assert varlen_attention.FLASH_VARLEN is None  # flash-attn cannot be installed on a CPU
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    varlen_attention.flash_varlen.cache_clear()
-    try:
-        (q, k, v), params, cu = _packed([3, 5])
-        attention = _attention()
-        out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, packed_seq_params=params)
-        assert torch.equal(out, torch.zeros(8, HEADS * DIM, dtype=torch.bfloat16))
-        [(cu_q, max_q, kwargs)] = calls
-        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu) and max_q == 5
-        assert kwargs["causal"] and kwargs["window_size"] == (-1, -1)
-        assert kwargs["softmax_scale"] == pytest.approx(1 / math.sqrt(DIM))
-        fp32 = attention(q, k, v, None, packed_seq_params=params)  # flash has no fp32 kernel
-        assert len(calls) == 1
-        torch.testing.assert_close(fp32.double(), _per_sample(q, k, v, cu), **TOL)
-    finally:
-        varlen_attention.flash_varlen.cache_clear()
+    # what the import-time lookup finds with flash-attn installed
+    monkeypatch.setattr(varlen_attention, "FLASH_VARLEN", varlen_attention._flash_varlen())
+    (q, k, v), params, cu = _packed([3, 5])
+    attention = _attention()
+    out = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, packed_seq_params=params)
+    assert torch.equal(out, torch.zeros(8, HEADS * DIM, dtype=torch.bfloat16))
+    [(cu_q, max_q, kwargs)] = calls
+    assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu) and max_q == 5
+    assert kwargs["causal"] and kwargs["window_size"] == (-1, -1)
+    assert kwargs["softmax_scale"] == pytest.approx(1 / math.sqrt(DIM))
+    fp32 = attention(q, k, v, None, packed_seq_params=params)  # flash has no fp32 kernel
+    assert len(calls) == 1
+    torch.testing.assert_close(fp32.double(), _per_sample(q, k, v, cu), **TOL)
 
 
 def test_dropout_draws_from_the_model_parallel_rng_stream():
