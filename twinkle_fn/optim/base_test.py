@@ -3,7 +3,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -19,6 +18,7 @@ from twinkle_fn.optim import (
 )
 from twinkle_fn.optim.base import check_lr, foreach_groups, local_operands
 from twinkle_fn.pytree import tree_leaves
+from twinkle_fn.testing_dist import spawn
 
 
 def _affine(scale: float, shift: float) -> GradientTransformation:
@@ -133,37 +133,34 @@ def test_check_lr_rejects_bad_values(lr, match):
         check_lr(lr)
 
 
-def _sharded_worker(rank: int, world: int, store: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        gen = torch.Generator().manual_seed(0)
-        init = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(6, generator=gen)}
-        for tx in (
-            chain(clip_by_global_norm(0.5), adamw(1e-2, weight_decay=0.1)),
-            sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-        ):
-            dense = {k: v.clone() for k, v in init.items()}
-            sharded = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in init.items()}
-            s_dense, s_sharded = tx.init(dense), tx.init(sharded)
-            for _ in range(3):
-                g = {k: 5.0 * torch.randn(v.shape, generator=gen) for k, v in init.items()}
-                u, s_dense = tx.update({k: v.clone() for k, v in g.items()}, s_dense, dense)
-                apply_updates(dense, u)
-                g_sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in g.items()}
-                u, s_sharded = tx.update(g_sharded, s_sharded, sharded)
-                apply_updates(sharded, u)
-            for k in init:
-                # Same elementwise kernels on each shard; the global norm is all-reduced.
-                torch.testing.assert_close(sharded[k].full_tensor(), dense[k], rtol=1e-6, atol=1e-7)
-    finally:
-        dist.destroy_process_group()
+def _sharded_worker() -> None:
+    """Run on each of `spawn`'s gloo ranks, whose process group it uses."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(0)
+    init = {"w": torch.randn(4, 3, generator=gen), "b": torch.randn(6, generator=gen)}
+    for tx in (
+        chain(clip_by_global_norm(0.5), adamw(1e-2, weight_decay=0.1)),
+        sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
+    ):
+        dense = {k: v.clone() for k, v in init.items()}
+        sharded = {k: distribute_tensor(v.clone(), mesh, [Shard(0)]) for k, v in init.items()}
+        s_dense, s_sharded = tx.init(dense), tx.init(sharded)
+        for _ in range(3):
+            g = {k: 5.0 * torch.randn(v.shape, generator=gen) for k, v in init.items()}
+            u, s_dense = tx.update({k: v.clone() for k, v in g.items()}, s_dense, dense)
+            apply_updates(dense, u)
+            g_sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in g.items()}
+            u, s_sharded = tx.update(g_sharded, s_sharded, sharded)
+            apply_updates(sharded, u)
+        for k in init:
+            # Same elementwise kernels on each shard; the global norm is all-reduced.
+            torch.testing.assert_close(sharded[k].full_tensor(), dense[k], rtol=1e-6, atol=1e-7)
 
 
-def test_transformations_work_on_sharded_dtensors(tmp_path):
+def test_transformations_work_on_sharded_dtensors():
     # FSDP2 hands the optimizer DTensor shards: every kernel must have a DTensor rule, and the
     # clip norm must cover all shards (two gloo processes, Shard(0)).
-    mp.spawn(_sharded_worker, args=(2, str(tmp_path / "store")), nprocs=2)
+    spawn(_sharded_worker, 2)
 
 
 def test_local_operands_passes_plain_tensors_and_checks_lengths():
