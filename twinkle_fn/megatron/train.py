@@ -62,8 +62,9 @@ class MicroBatch:
     under context parallelism), else None. ``supervised_rows`` (set once on the device) are the
     flat indices of the supervised labels in the ``[s, b]`` layout of the last stage's hidden
     states, found before the forward so the fused loss does not sync the host mid-step.
-    ``bounds`` are ``packed``'s boundaries as host ints, so that nothing reads them back from
-    the device.
+    ``bounds`` are ``packed``'s boundaries as host ints (set exactly when ``packed`` is), so
+    that nothing reads them back from the device. Raises ``ValueError`` when only one of the
+    two is set.
     """
 
     input_ids: Tensor
@@ -72,6 +73,13 @@ class MicroBatch:
     packed: PackedSeqParams | None = None
     supervised_rows: Tensor | None = None
     bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.packed is None) != (self.bounds is None):
+            raise ValueError(
+                "a MicroBatch has bounds (its packed boundaries as host ints) exactly when it "
+                "is packed; build micro-batches with micro_batches"
+            )
 
 
 def micro_batches(

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.megatron.train import (
+    MicroBatch,
     mask_padded_vocab_,
     merge_logps,
     micro_batches,
@@ -31,6 +32,7 @@ def test_packed_batches_split_by_sample_and_pad_to_the_sequence_multiple():
         sizes = [lengths[i] for i in group]
         n = sum(sizes)
         cu = mb.packed.cu_seqlens_q.tolist()
+        assert list(mb.bounds) == cu  # kept on the host, for readers after the forward
         assert mb.input_ids.shape[1] == -(-n // 4) * 4
         assert cu[: len(group) + 1] == [0, *torch.tensor(sizes).cumsum(0).tolist()]
         assert cu[-1] == mb.input_ids.shape[1]  # the padding is one more sample
@@ -38,6 +40,16 @@ def test_packed_batches_split_by_sample_and_pad_to_the_sequence_multiple():
         assert mb.position_ids[0, : sizes[0]].tolist() == list(range(sizes[0]))
         real_labels.append(mb.labels[0, :n])
     assert torch.equal(torch.cat(real_labels), batch["labels"][0])
+
+
+def test_a_micro_batch_has_host_bounds_exactly_when_it_is_packed():
+    packed = micro_batches(pack(FEATS), 1)[0]
+    padded = micro_batches(pad_collate(FEATS, pad_token_id=0), 1)[0]
+    assert padded.bounds is None and padded.packed is None
+    with pytest.raises(ValueError, match=r"bounds .* exactly when it is packed"):
+        MicroBatch(packed.input_ids, packed.position_ids, packed.labels, packed.packed)
+    with pytest.raises(ValueError, match="exactly when it is packed"):
+        MicroBatch(padded.input_ids, padded.position_ids, padded.labels, bounds=(0, 4))
 
 
 def test_padded_batches_split_by_row_and_pad_columns():
