@@ -38,6 +38,13 @@ def _first_set(*values: Tensor | None) -> Tensor | None:
     return next((v for v in values if v is not None), None)
 
 
+def _same_bounds(cu_q: Tensor, cu_kv: Tensor | None) -> bool:
+    """Whether packed key/value boundaries (None: the queries') equal the queries'. The one
+    tensor `micro_batches` passes for both is not compared: ``torch.equal`` reads a value, a
+    graph break inside every compiled layer (and a host read of two separate CUDA tensors)."""
+    return cu_kv is None or cu_kv is cu_q or torch.equal(cu_q, cu_kv)
+
+
 class SDPAAttention(MegatronModule):
     """megatron-core core attention computed by torch's ``scaled_dot_product_attention``.
 
@@ -166,7 +173,7 @@ class SDPAAttention(MegatronModule):
         if packed:
             cu = _first_set(params.cu_seqlens_q_padded, params.cu_seqlens_q)
             cu_kv = _first_set(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
-            if cu is None or (cu_kv is not None and not torch.equal(cu, cu_kv)):
+            if cu is None or not _same_bounds(cu, cu_kv):
                 raise ValueError(
                     "packed (thd) attention needs packed_seq_params.cu_seqlens_q, equal to _kv"
                 )
@@ -242,7 +249,7 @@ class SDPAAttention(MegatronModule):
         cu_kv = _first_set(params.cu_seqlens_kv_padded, params.cu_seqlens_kv)
         if cu_q is None:
             raise ValueError("packed (thd) attention needs packed_seq_params.cu_seqlens_q")
-        if cu_kv is not None and not torch.equal(cu_q, cu_kv):
+        if not _same_bounds(cu_q, cu_kv):
             raise ValueError("SDPAAttention packs self-attention only: cu_seqlens_q must equal _kv")
         max_len = params.max_seqlen_q or int((cu_q[1:] - cu_q[:-1]).max())
         out = packed_attention(

@@ -222,3 +222,16 @@ def test_unsupported_attention_options_are_refused():
     q, k, v = _qkv(3, 1)
     with pytest.raises(ValueError, match="attention_bias"):
         _attention()(q, k, v, None, attention_bias=torch.zeros(1))
+
+
+def test_packed_key_value_bounds_must_be_the_querys():
+    (q, k, v), params, cu = _packed([3, 5])
+    params.cu_seqlens_kv = cu.clone()  # equal values in another tensor: compared, accepted
+    torch.testing.assert_close(
+        _attention()(q, k, v, None, packed_seq_params=params).double(),
+        _per_sample(q, k, v, cu),
+        **TOL,
+    )
+    params.cu_seqlens_kv = torch.tensor([0, 4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must equal _kv"):
+        _attention()(q, k, v, None, packed_seq_params=params)

@@ -7,6 +7,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import attention as mcore_attention
 from transformers import AutoModelForCausalLM
 
+from twinkle_fn.megatron import attention
 from twinkle_fn.megatron.attention_test import DIM, HEADS, _config
 from twinkle_fn.megatron.bridge import hf_to_mcore
 from twinkle_fn.megatron.model import build_gpt_model
@@ -124,3 +125,23 @@ def test_a_packed_row_rotated_per_token_trains_exactly_as_megatrons_per_sample_p
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_decoder_layer_compiles_into_one_graph(megatron_world, monkeypatch, layout):
+    """What `compile_layers` traces: no graph break in the layer (a break inside the core
+    attention also split megatron's ``with`` around it). The varlen kernel, CUDA-only, is
+    stood in for by a function of the same shapes, as the GPU path calls it."""
+    cfg, model = _model()
+    monkeypatch.setattr(attention, "packed_attention", lambda q, k, v, cu, n, **kw: q * 1.0)
+    if layout == "packed":
+        hidden = torch.randn(sum(LENS), 1, cfg.hidden_size)
+        kwargs = {"packed_seq_params": with_rotary(_params(), model, _positions())}
+    else:
+        hidden = torch.randn(6, 2, cfg.hidden_size)  # [seq, batch, hidden]
+        kwargs = {"rotary_pos_emb": model.rotary_pos_emb(6)}
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model.decoder.layers[0])(
+        hidden, attention_mask=None, **kwargs
+    )
+    assert explanation.break_reasons == [] and explanation.graph_count == 1
