@@ -440,7 +440,7 @@ def _leave_megatron() -> None:
         return
     from megatron.core import parallel_state
 
-    from twinkle_fn.megatron import parallel
+    from twinkle_fn.backends.megatron import parallel
 
     if parallel_state.model_parallel_is_initialized():
         parallel.destroy()
@@ -488,7 +488,7 @@ def _parity_run(name: str, args: argparse.Namespace, device: torch.device) -> di
 
 def _parity_optimizer(backend: str) -> tf.optim.GradientTransformation:
     if backend == "megatron":
-        from twinkle_fn.backends.megatron import megatron_optimizer
+        from twinkle_fn.optim import megatron_optimizer
 
         return megatron_optimizer(_PARITY_LR, clip_grad=1.0, weight_decay=0.01)
     return tf.optim.chain(

@@ -10,7 +10,7 @@ AdamW (lr 1e-5, weight decay 0.01) and global-norm clipping at 1.0:
   each decoder layer instead); GPU only, since compiling on a CPU takes minutes;
 - ``mcore_local``: raw megatron-core ``GPTModel`` with its local layer spec, bf16 parameters
   with the distributed optimizer's fp32 master copies, DDP, ``get_forward_backward_func``;
-- ``mcore_sdpa``: the same with twinkle's SDPA layer spec (`twinkle_fn.megatron.model`);
+- ``mcore_sdpa``: the same with twinkle's SDPA layer spec (`twinkle_fn.backends.megatron.model`);
 - ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend, padded batch
   handed over on the host (pinned), as a data loader would;
 - ``twinkle_fsdp_compiled``: the same with each decoder layer compiled (option
@@ -409,9 +409,9 @@ def _mcore_step(setup: Setup, our_spec: bool) -> Step:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from twinkle_fn.megatron.bridge_transforms import padded_vocab_size
-    from twinkle_fn.megatron.config import transformer_config
-    from twinkle_fn.megatron.model import build_gpt_model, rope_settings
+    from twinkle_fn.backends.megatron.bridge_transforms import padded_vocab_size
+    from twinkle_fn.backends.megatron.config import transformer_config
+    from twinkle_fn.backends.megatron.model import build_gpt_model, rope_settings
 
     cfg, mesh = setup.config, Mesh()
     # megatron-core's own defaults for its fusions (all off), not the twinkle backend's (on with
@@ -486,25 +486,28 @@ def _mcore_step(setup: Setup, our_spec: bool) -> Step:
 
 @contextlib.contextmanager
 def _twinkle_fsdp(setup: Setup) -> Iterator[Step]:
-    yield _twinkle_step(setup, backend="fsdp")
+    yield _twinkle_step(setup, backend="transformers")
 
 
 @contextlib.contextmanager
 def _twinkle_fsdp_compiled(setup: Setup) -> Iterator[Step]:
-    yield _twinkle_step(setup, backend="fsdp", options={"compile_layers": True})
+    yield _twinkle_step(setup, backend="transformers", options={"compile_layers": True})
 
 
 @contextlib.contextmanager
 def _twinkle_fsdp_compiled_ckpt(setup: Setup) -> Iterator[Step]:
     yield _twinkle_step(
-        setup, backend="fsdp", options={"compile_layers": True}, activation_checkpointing=True
+        setup,
+        backend="transformers",
+        options={"compile_layers": True},
+        activation_checkpointing=True,
     )
 
 
 @contextlib.contextmanager
 def _twinkle_fsdp_compiled_budget(setup: Setup) -> Iterator[Step]:
     options = {"compile_layers": {"memory_budget": 0.6}}
-    yield _twinkle_step(setup, backend="fsdp", options=options)
+    yield _twinkle_step(setup, backend="transformers", options=options)
 
 
 @contextlib.contextmanager
@@ -558,7 +561,7 @@ def twinkle_optimizer(backend: str) -> tf.optim.GradientTransformation:
     """AdamW with clipping: the optax-style chain, or on the megatron backend the transform its
     docs name for it (megatron-core's distributed optimizer, as in the ``mcore_*`` rows)."""
     if backend == "megatron":
-        from twinkle_fn.backends.megatron import megatron_optimizer
+        from twinkle_fn.optim import megatron_optimizer
 
         return megatron_optimizer(_LR, weight_decay=_WEIGHT_DECAY, clip_grad=_CLIP)
     return tf.optim.chain(
@@ -597,13 +600,13 @@ def host_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 def _megatron_world(device: torch.device) -> Iterator[None]:
     """A one-rank process group (NCCL on GPU, gloo on CPU) with megatron-core's state on it.
 
-    On a CPU `twinkle_fn.megatron.parallel.initialize` enables `cpu_compat`; both are undone on
+    On a CPU `twinkle_fn.backends.megatron.parallel.initialize` enables `cpu_compat`; both are undone on
     exit, as is a process group this made.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from twinkle_fn.megatron import parallel
+    from twinkle_fn.backends.megatron import parallel
     from twinkle_fn.testing_dist import free_port
 
     made_group = not dist.is_initialized()

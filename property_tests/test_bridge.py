@@ -12,8 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from twinkle_fn.megatron.bridge import hf_to_mcore, mcore_to_hf
-from twinkle_fn.megatron.bridge_transforms import (
+from twinkle_fn.backends.megatron.bridge import hf_to_mcore, mcore_to_hf
+from twinkle_fn.backends.megatron.bridge_transforms import (
     fuse_gate_up,
     fuse_qkv,
     split_gate_up,

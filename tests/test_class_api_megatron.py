@@ -26,10 +26,10 @@ from transformers import AutoModelForCausalLM
 import twinkle_fn as tf
 from twinkle import DeviceMesh
 from twinkle.model import MegatronModel, TransformersModel
-from twinkle_fn.backends.megatron import megatron_optimizer
+from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.data import pad_collate
 from twinkle_fn.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from twinkle_fn.megatron import parallel
+from twinkle_fn.optim import megatron_optimizer
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
 

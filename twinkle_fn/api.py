@@ -13,8 +13,6 @@ from typing import Any
 import torch
 
 from twinkle_fn import backends, lora
-from twinkle_fn.backends.fsdp import copy_into_shard
-from twinkle_fn.loss_scale import init_loss_scale
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
@@ -56,9 +54,7 @@ def init(
         model=model,
         tx=tx,
         mesh=mesh,
-        loss_scale=init_loss_scale(loss_scale)
-        if model.compute_dtype == torch.float16 and model.backend == "fsdp"
-        else None,
+        loss_scale=backend.initial_loss_scale(model, loss_scale),
     )
 
 
@@ -83,8 +79,9 @@ def shard(state: TrainState, mesh: Mesh) -> TrainState:
     full_opt, step, rng, ls = tree_leaves(state.opt_state), state.step, state.rng, state.loss_scale
     new = init(state.model, state.tx, mesh)
     state.donate("shard")
+    backend = backends.get(new.model.backend)
     for full, leaf in zip(full_opt, tree_leaves(new.opt_state), strict=True):
-        copy_into_shard(leaf, full)
+        backend.shard_into(leaf, full)
     return new.replace(step=step.clone(), rng=rng.clone(), loss_scale=ls)
 
 
@@ -111,7 +108,7 @@ def fwd_bwd(
     With `accum`, this batch's gradients are added to it: `accum` is donated (reusing it raises)
     unless ``donate=False``. Returns ``(grads, aux)``, aux holding this micro-batch's
     ``loss_sum`` and ``num_tokens``. A module holding several LoRA adapters computes with the
-    state's own (`twinkle_fn.lora.use_adapter`). Raises `DonatedError` for a donated state or
+    state's own (`twinkle_fn.backends.transformers.lora.use_adapter`). Raises `DonatedError` for a donated state or
     accum.
     """
     state.check_alive()
@@ -135,6 +132,50 @@ def evaluate(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput
     out = backend.loss_of(state, batch)
     backend.after_eval(state.model)
     return out
+
+
+@torch.no_grad()
+def token_logps(
+    state: TrainState,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    disable_lora: bool = False,
+    return_logits: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Per-token log-probabilities of `batch`'s labels under `state`, without gradients.
+
+    Returns ``logps`` (float32, in `batch`'s layout: ``[B, T]`` padded, ``[1, T]`` packed;
+    ``log softmax(logits / temperature)[label]``, 0 where the label is -100), ``loss_sum`` and
+    ``num_tokens`` (the token-summed cross entropy at temperature 1 and its supervised-token
+    count), and with `return_logits` ``logits`` ``[B, T, vocab]`` divided by `temperature`.
+    `disable_lora` computes with the base weights alone (a reference model's log-probs). On
+    several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
+    state, ``ValueError`` for a `temperature` that is not positive, and for what the backend
+    does not offer (the megatron backend: a temperature other than 1, logits, disabled LoRA).
+    """
+    state.check_alive()
+    if not (isinstance(temperature, int | float) and temperature > 0):
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    lora.use_adapter(state)
+    return backends.get(state.model.backend).token_logps(
+        state,
+        batch,
+        temperature=float(temperature),
+        disable_lora=disable_lora,
+        return_logits=return_logits,
+    )
+
+
+def grad_norm(state: TrainState, grads: Grads) -> torch.Tensor:
+    """The global L2 norm of the gradients `step` would apply: `grads` divided by every data
+    rank's supervised tokens (the norm `step` reports as ``info["grad_norm"]``, before
+    clipping), without changing them. A 0-d tensor on the device; a collective on several
+    ranks. Raises `DonatedError` for a donated state or grads.
+    """
+    state.check_alive()
+    grads.check_alive()
+    return backends.get(state.model.backend).grad_norm(state, grads)
 
 
 def step(

@@ -30,7 +30,7 @@ def _train(state, seeds, park=None):
 def _state(backend):
     model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, backend=backend)
     if backend == "megatron":
-        from twinkle_fn.backends.megatron import megatron_optimizer
+        from twinkle_fn.optim import megatron_optimizer
 
         return tf.init(model, megatron_optimizer(1e-2))
     return tf.init(model, tf.optim.adamw(1e-2))
@@ -70,7 +70,7 @@ def _run(backend):
     )
     same = all(torch.equal(plain.params[n], p) for n, p in parked.params.items())
     if backend == "megatron":
-        from twinkle_fn.megatron import parallel
+        from twinkle_fn.backends.megatron import parallel
 
         parallel.destroy()
     return dict(losses=(plain_losses, parked_losses), same_params=same, seen=seen)
@@ -89,7 +89,7 @@ def _check(result, expect_grads):
 
 
 def test_fsdp_state_round_trips_and_trains_identically():
-    _check(_run("fsdp"), expect_grads=False)
+    _check(_run("transformers"), expect_grads=False)
 
 
 @pytest.mark.skipif(
@@ -102,7 +102,7 @@ def test_megatron_state_parks_params_grad_buffers_and_optimizer():
 
 
 def test_moves_only_what_is_asked():
-    state = _state("fsdp")
+    state = _state("transformers")
     state, _ = _train(state, (1,))
     param_bytes = sum(p.untyped_storage().nbytes() for p in state.params.values())
     parked = tf.offload(state, params=True, grads=False, optimizer=False)
@@ -115,7 +115,7 @@ def test_moves_only_what_is_asked():
 
 def test_offloading_nothing_is_an_error():
     with pytest.raises(ValueError, match="at least one"):
-        tf.offload(_state("fsdp"), params=False, grads=False, optimizer=False)
+        tf.offload(_state("transformers"), params=False, grads=False, optimizer=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory exists only on a GPU")

@@ -19,6 +19,15 @@ import torch
 
 from twinkle_fn.pytree import NAMESPACE, PyTree, clone_leaf
 
+# A 64-bit linear congruential generator advances the state's random key (int64 arithmetic wraps).
+LCG_MUL = 6364136223846793005
+LCG_INC = 1442695040888963407
+
+
+def next_key(rng: torch.Tensor) -> torch.Tensor:
+    """The random key after `rng` (0-d int64): one step of a 64-bit LCG."""
+    return rng * LCG_MUL + LCG_INC
+
 
 class DonatedError(RuntimeError):
     """Raised when a state or grads object is used after a call donated it."""

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 import twinkle_fn as tf
-from twinkle.model import _core_ops
 
 
 @dataclasses.dataclass
@@ -58,7 +57,7 @@ class Pending:
         """The global L2 norm of the token-normalised pending gradients. A collective on
         several ranks."""
         assert self.grads is not None
-        return float(_core_ops.grad_norm(state, self.grads))
+        return float(tf.grad_norm(state, self.grads))
 
     def apply(self, state: tf.TrainState) -> tf.TrainState:
         """`state` after one update of its own transform from the pending gradients (then

@@ -82,7 +82,7 @@ def build_model(
     fsdp_config: Mapping[str, Any],
     seed: int | None,
     *,
-    backend: str = "fsdp",
+    backend: str = "transformers",
     options: Mapping[str, Any] | None = None,
 ) -> tf.models.Model:
     """The core model from `model_id` (its own config.json), else from `config` with the

@@ -1,22 +1,23 @@
 """Checkpoints of `TransformersModel`: save, load, resume, and continuing an adapter.
 
 A full model is a `twinkle_fn.checkpoint` (HF weights + config + tokenizer, plus optimizer
-state and step). An adapter is a peft directory (`twinkle_fn.lora`), plus, when the optimizer is
+state and step). An adapter is a peft directory (`twinkle_fn.backends.transformers.lora`), plus, when the optimizer is
 saved, a ``train_state/`` checkpoint next to it to resume from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from peft import LoraConfig
 
 import twinkle_fn as tf
 from twinkle.device_mesh import current_rank
-from twinkle.model import _core_ops
 from twinkle.model._group import Group
 
 TRAIN_STATE_DIR = "train_state"  # next to a saved adapter: its optimizer state and step
@@ -41,11 +42,9 @@ def save(
     tokenizer: Any,
     save_optimizer: bool,
     consumed_train_samples: int,
-    save_adapter: Callable[[tf.TrainState, Path], Any] = tf.lora.save_adapter,
 ) -> None:
     """Write `state` to `path`: the full model (always with its optimizer state) when group `g`
-    trains no adapter, else the adapter as a peft directory written by `save_adapter` (the
-    megatron backend's is `twinkle_fn.megatron.lora.save_adapter`), with its optimizer state
+    trains no adapter, else the adapter as a peft directory (`twinkle_fn.lora.save_adapter`), with its optimizer state
     when `save_optimizer`. The training state also records the step,
     `consumed_train_samples` and the group's accumulation steps (`resume_info`). Every rank
     must call it."""
@@ -57,7 +56,7 @@ def save(
     if not g.name:
         tf.checkpoint.save(state, path, tokenizer=tokenizer, extra=extra)
         return
-    save_adapter(state, path)
+    tf.lora.save_adapter(state, path)
     if save_optimizer:
         tf.checkpoint.save(state, path / TRAIN_STATE_DIR, extra=extra)
     if tokenizer is not None and current_rank() == 0:
@@ -90,10 +89,10 @@ def load(
     if load_optimizer:
         # The training state holds every module tensor at save time, the other adapters'
         # included, and tf.checkpoint.load writes them all back: keep theirs current.
-        with _core_ops.preserved([p for o in others for p in o.params.values()]):
+        with _preserved([p for o in others for p in o.params.values()]):
             return tf.checkpoint.load(state, path / TRAIN_STATE_DIR if adapter_name else path)
-    rename = _core_ops.adapter_key(adapter_name) if adapter_name else str
-    _core_ops.load_weights(state.params, path, rename)
+    rename = adapter_key(adapter_name) if adapter_name else None
+    tf.checkpoint.load_weights(state, path, rename)
     return state
 
 
@@ -122,8 +121,51 @@ def add_adapter(
     config.inference_mode = False
     model = tf.lora.add_lora(model, config, adapter_name)
     trainable = {n: p for n, p in model.module.named_parameters() if p.requires_grad}
-    _core_ops.load_weights(trainable, path, _core_ops.adapter_key(adapter_name))
+    _copy_weights(trainable, path, adapter_key(adapter_name))
     return model
+
+
+def adapter_key(adapter_name: str) -> Callable[[str], str]:
+    """Maps a peft adapter file's key (``base_model.model.<path>.lora_A.weight``) to the
+    module's parameter name (``<path>.lora_A.<adapter_name>.weight``)."""
+
+    def rename(key: str) -> str:
+        owner, _, leaf = key.removeprefix(tf.lora.PEFT_PREFIX).rpartition(".")
+        return f"{owner}.{adapter_name}.{leaf}"
+
+    return rename
+
+
+@torch.no_grad()
+def _copy_weights(
+    params: Mapping[str, torch.Tensor], path: Path, rename: Callable[[str], str]
+) -> None:
+    """Copy the adapter file's tensors into the (not yet placed) `params`, in place. Raises
+    ``ValueError`` when the file lacks one of them or a shape differs."""
+    saved = tf.checkpoint.read_weights(path, rename)
+    missing = sorted(set(params) - set(saved))
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} trainable parameters, e.g. {missing[:3]}")
+    for name, p in params.items():
+        if tuple(saved[name].shape) != tuple(p.shape):
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(saved[name].shape)}, the model {tuple(p.shape)}"
+            )
+        p.copy_(saved[name])
+
+
+@contextlib.contextmanager
+def _preserved(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Restore `tensors` (in place, shards included) to their values at entry when the block
+    ends."""
+    with torch.no_grad():
+        saved = [t.detach().clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in zip(tensors, saved, strict=True):
+                t.copy_(v)
 
 
 def _adapter_dir(path: str | os.PathLike[str]) -> Path:

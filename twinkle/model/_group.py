@@ -167,7 +167,7 @@ def build_states(
     model: tf.models.Model, groups: Groups, mesh: tf.Mesh, seed: int | None
 ) -> tf.models.Model:
     """Build every group's train state on `mesh`: an adapter's over that adapter's weights
-    alone (`twinkle_fn.lora.set_adapter` first), the ``''`` group's over the trainable
+    alone (`twinkle_fn.backends.transformers.lora.set_adapter` first), the ``''`` group's over the trainable
     weights. The first shards the module; the others share it. Returns the placed model."""
     for g in groups:
         if g.name:

@@ -17,7 +17,6 @@ import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.dataset import make_template
 from twinkle.device_mesh import DeviceMesh
-from twinkle.model import _core_ops
 from twinkle.model._group import Group
 from twinkle.processor import InputProcessor, unpack
 from twinkle.template import Template
@@ -84,13 +83,14 @@ def outputs(
 ) -> ModelOutput:
     """The no-grad forward's ``logps`` ([n_seq, max_len]), ``loss``, ``num_tokens`` and,
     when asked, ``logits``."""
-    logps, logits = _core_ops.forward_logps(
+    got = tf.token_logps(
         state,
         batch,
         temperature=temperature,
         return_logits=return_logits,
         disable_lora=disable_lora,
     )
+    logps, logits = got["logps"], got.get("logits")
     num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
     out = ModelOutput(
         logps=unpack(logps, batch),

@@ -12,11 +12,11 @@ and scheduler are set first) and the pending `Grads` (views of megatron's DDP gr
 The optimizer is always megatron-core's distributed Adam (`megatron_optimizer`) and the lr
 follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstream allows.
 
-- ``add_adapter_to_model`` = `twinkle_fn.megatron.lora.add_lora` before the state is built: one
+- ``add_adapter_to_model`` = `twinkle_fn.lora.add_lora` before the state is built: one
   LoRA adapter per model (the core's megatron LoRA trains one), which names the single group;
 - ``save``/``load`` = `twinkle_fn.checkpoint` (full model: megatron's dist checkpoint of model,
   optimizer, step and RNG, loadable on another tp/pp/dp mesh, plus HF safetensors) or, with an
-  adapter, `twinkle_fn.megatron.lora.save_adapter` (a peft directory). A weights-only ``load``
+  adapter, `twinkle_fn.lora.save_adapter` (a peft directory). A weights-only ``load``
   copies the directory's HF weights into the model through the bridge and refreshes the
   optimizer's fp32 main parameters from them.
 
@@ -91,7 +91,7 @@ def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> optim.OptimizerSpec:
     spec = optim.OptimizerSpec(
         OPTIMIZERS[1], lr, {_OPTIMIZER_ARGS[k]: v for k, v in kwargs.items()}
     )
-    _megatron_optimizer()(lr, **spec.kwargs)  # check the values now, not at the first step
+    tf.optim.megatron_optimizer(lr, **spec.kwargs)  # check the values now, not at the first step
     return spec
 
 
@@ -202,7 +202,7 @@ class MegatronModel:
             self._state, self._parked = tf.reload(self._parked), None
         if self._state is None:
             g = self._group
-            tx = _megatron_optimizer()(_group.learning_rate(g), **g.optimizer.kwargs)
+            tx = tf.optim.megatron_optimizer(_group.learning_rate(g), **g.optimizer.kwargs)
             self._state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
         return self._state
 
@@ -254,11 +254,11 @@ class MegatronModel:
         on every pipeline stage."""
         g = _group.resolve(self._group, adapter_name)
         batch = _inputs.encode(g, self.tokenizer_id, inputs)
-        out, logps = _megatron_backend().evaluate_logps(self._ensure_state(), batch)
-        num_tokens = int(out.num_tokens)
+        out = tf.token_logps(self._ensure_state(), batch)
+        num_tokens = int(out["num_tokens"])
         return ModelOutput(
-            logps=unpack(logps, batch),
-            loss=float(out.loss_sum) / max(num_tokens, 1),
+            logps=unpack(out["logps"], batch),
+            loss=float(out["loss_sum"]) / max(num_tokens, 1),
             num_tokens=num_tokens,
         )
 
@@ -428,14 +428,14 @@ class MegatronModel:
         gradient_accumulation_steps: int = 1,
     ) -> None:
         """Train LoRA adapter `adapter_name` (a ``LoraConfig`` or a dict of its fields; see
-        `twinkle_fn.megatron.lora` for the targets) instead of the full model: the model's one
+        `twinkle_fn.backends.megatron.lora` for the targets) instead of the full model: the model's one
         group takes that name and `gradient_accumulation_steps`, keeping the settings made
         before. Call it before the first forward_backward.
 
         Raises ``ValueError`` for a second adapter (the megatron backend trains one adapter
         per model), a peft directory (continuing an adapter is not supported on MegatronModel
         yet), an empty name, ``is_trainable=False``, a bad `gradient_accumulation_steps`, a
-        call after the state is built, and what `twinkle_fn.megatron.lora.add_lora` rejects.
+        call after the state is built, and what `twinkle_fn.lora.add_lora` rejects.
         """
         if self._group.name:
             raise ValueError(
@@ -451,7 +451,7 @@ class MegatronModel:
                 "adapter), or continue it with TransformersModel"
             )
         self._check_unbuilt("add_adapter_to_model")
-        self._model = _megatron_lora().add_lora(self._model, config_or_dir)
+        self._model = tf.lora.add_lora(self._model, config_or_dir, adapter_name)
         self._group = g
 
     @remote_function(execute="all", sync=True)
@@ -487,10 +487,7 @@ class MegatronModel:
         if path is None:
             return None
         tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
-        save_adapter = _megatron_lora().save_adapter
-        _checkpoint.save(
-            state, path, g, tokenizer, save_optimizer, consumed_train_samples, save_adapter
-        )
+        _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
         return str(path)
 
     @remote_function(execute="all", sync=True)
@@ -523,7 +520,7 @@ class MegatronModel:
         if load_optimizer:
             self._state = tf.checkpoint.load(state, path)
         else:
-            _megatron_dist_checkpoint().load_weights(state, path)
+            tf.checkpoint.load_weights(state, path)
 
     @remote_function(execute="all", sync=True)
     def resume_from_checkpoint(
@@ -589,32 +586,3 @@ def _stack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[n_i, len_i]`` pieces as one ``[sum n_i, max len_i]`` tensor, zeros past each row."""
     width = max(p.shape[1] for p in parts)
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
-
-
-def _megatron_dist_checkpoint() -> Any:
-    """`twinkle_fn.megatron.dist_checkpoint`, imported on first use (megatron-core is heavy)."""
-    from twinkle_fn.megatron import dist_checkpoint
-
-    return dist_checkpoint
-
-
-def _megatron_lora() -> Any:
-    """`twinkle_fn.megatron.lora`, imported on first use (megatron-core is heavy)."""
-    from twinkle_fn.megatron import lora
-
-    return lora
-
-
-def _megatron_backend() -> Any:
-    """`twinkle_fn.backends.megatron`, imported on first use (megatron-core is heavy)."""
-    from twinkle_fn.backends import megatron
-
-    return megatron
-
-
-def _megatron_optimizer() -> Any:
-    """`twinkle_fn.backends.megatron.megatron_optimizer`, imported on first use: megatron-core
-    takes seconds to import and `TransformersModel` users never need it."""
-    from twinkle_fn.backends.megatron import megatron_optimizer
-
-    return megatron_optimizer

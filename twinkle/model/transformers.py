@@ -7,12 +7,12 @@ optimizer settings can be set first) and the pending `Grads`; each method calls 
 - ``clip_grad_and_step`` = ``tf.step(state, pending)`` once exactly N micro-batches are pending
   (N = ``gradient_accumulation_steps``), so the update is normalised over the tokens of all N.
   Upstream steps one micro-batch late (its first sync comes at micro-batch N + 1); this does not;
-- ``save``/``load`` = `twinkle_fn.checkpoint` (full model) or `twinkle_fn.lora` (adapter).
+- ``save``/``load`` = `twinkle_fn.checkpoint` (full model) or `twinkle_fn.backends.transformers.lora` (adapter).
 
 Several LoRA adapters may share the model (``add_adapter_to_model`` once per name, before the
 first forward): each adapter is an optimizer group with its own train state (its weights only,
 its optimizer state, schedule and step), pending gradients, accumulation steps, template and
-processor. A call with ``adapter_name=X`` computes with X alone active (`twinkle_fn.lora`), so
+processor. A call with ``adapter_name=X`` computes with X alone active (`twinkle_fn.backends.transformers.lora`), so
 only X's weights get gradients and only X's optimizer steps; the base weights never change.
 Without ``adapter_name`` a call uses the last adapter added (upstream's active group).
 
@@ -364,7 +364,7 @@ class TransformersModel:
         ``adapter_name=``. The adapter's ``lora_A`` init draws from torch's global generator.
         Raises ``ValueError`` for an empty or taken name (listing the adapters there), an
         adapter added after the states were built (add adapters before the first forward),
-        ``is_trainable=False``, and what `twinkle_fn.lora.add_lora` rejects.
+        ``is_trainable=False``, and what `twinkle_fn.backends.transformers.lora.add_lora` rejects.
         """
         g = self._groups.add(adapter_name, is_trainable, gradient_accumulation_steps)
         self._model = _checkpoint.add_adapter(self._model, adapter_name, config_or_dir)

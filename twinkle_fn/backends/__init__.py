@@ -1,16 +1,22 @@
-"""Backends: how a `Model` is placed, run forward/backward and updated (see `base.Backend`)."""
+"""Backends: how a `Model` is placed, run forward/backward and updated (see `base.Backend`).
+
+Each backend is one package (`transformers`: FSDP2/DTensor over an HF module; `megatron`:
+megatron-core) reached only through `get`; its modules are imported on first use, so
+megatron-core loads only when a megatron model is built.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
-from twinkle_fn.backends.base import Backend
-
-# name -> (module, attribute); imported on first use so megatron-core loads only when needed.
+# name -> (module, attribute)
 _REGISTRY = {
-    "fsdp": ("twinkle_fn.backends.transformers_backend", "TransformersBackend"),
-    "megatron": ("twinkle_fn.backends.megatron", "MegatronBackend"),
+    "transformers": ("twinkle_fn.backends.transformers.backend", "TransformersBackend"),
+    "megatron": ("twinkle_fn.backends.megatron.backend", "MegatronBackend"),
 }
+# Names earlier releases used, still accepted where a backend is named.
+_ALIASES = {"fsdp": "transformers"}
 
 
 def names() -> tuple[str, ...]:
@@ -18,9 +24,18 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get(name: str) -> Backend:
-    """The backend called `name`. Raises ``ValueError`` listing the known ones."""
+def canonical(name: str) -> str:
+    """`name`, or the backend it is an older name of. Raises ``ValueError`` for an unknown name,
+    listing the known ones."""
+    name = _ALIASES.get(name, name)
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(_REGISTRY)}")
-    module, attr = _REGISTRY[name]
+    return name
+
+
+def get(name: str) -> Any:
+    """The backend called `name`, a `twinkle_fn.backends.base.Backend` (the registry imports
+    none of the core's types, so the modules it serves may import it). Raises ``ValueError``
+    listing the known ones."""
+    module, attr = _REGISTRY[canonical(name)]
     return getattr(importlib.import_module(module), attr)()

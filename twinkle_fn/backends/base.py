@@ -1,16 +1,23 @@
-"""The interface every backend implements: what `twinkle_fn.api` calls underneath.
+"""The interface every backend implements: the one door through which the core and the facade
+reach a backend.
 
 A backend owns how a `Model` is placed on a mesh, how a batch's token-summed loss and gradients
-are computed, and how an optimizer update is applied. The API functions keep the contracts that
-do not depend on the backend: donation, argument checks, and the shape of what is returned.
+are computed, how an optimizer update is applied, how its tensors are gathered, cut, saved and
+loaded, and how LoRA adapters are built on it. The API functions (`twinkle_fn.api`,
+`twinkle_fn.checkpoint`, `twinkle_fn.lora`, `twinkle_fn.offload`) keep the contracts that do not
+depend on the backend: donation, argument checks, atomic directories, and the shape of what is
+returned. They find a backend with `twinkle_fn.backends.get(model.backend)` and never import a
+backend's modules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from peft import LoraConfig
 
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
@@ -21,6 +28,19 @@ from twinkle_fn.state import Grads, TrainState
 class Backend(Protocol):
     """Hooks of one backend (all but `prepare` receive a live, non-donated state)."""
 
+    # Building.
+    reads_own_weights: bool
+    """Whether each rank reads its own slices of a checkpoint when the model is placed (then
+    `twinkle_fn.models.from_pretrained` builds a meta skeleton and loads nothing)."""
+
+    def module_device(self) -> torch.device:
+        """Where a freshly built HF module lives unless the caller says otherwise."""
+        ...
+
+    def adopt(self, module: torch.nn.Module) -> None:
+        """Ready a freshly built HF module for this backend, in place (before adapters)."""
+        ...
+
     def prepare(self, model: Model, mesh: Mesh) -> Model:
         """`model` placed on `mesh` (sharded or built per rank); a no-op on one process."""
         ...
@@ -29,6 +49,12 @@ class Backend(Protocol):
         """The parameters the optimizer updates, by name (the state's ``params``)."""
         ...
 
+    def initial_loss_scale(self, model: Model, scale: float) -> Any:
+        """The train state's ``loss_scale`` for a fresh state of `model` (None when the
+        backend scales the loss itself or the model does not compute in float16)."""
+        ...
+
+    # Computation.
     def loss_of(self, state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
         """The token-summed loss of `batch` (differentiable) and its supervised-token count."""
         ...
@@ -39,8 +65,33 @@ class Backend(Protocol):
         """Gradients of the token-summed loss, added into `accum` (already taken) if given."""
         ...
 
+    def token_logps(
+        self,
+        state: TrainState,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        temperature: float,
+        disable_lora: bool,
+        return_logits: bool,
+    ) -> dict[str, torch.Tensor]:
+        """Per-token ``log p(label)`` of `batch` without gradients: ``logps`` (float32, in
+        `batch`'s layout, 0 where the label is -100), ``loss_sum``, ``num_tokens`` and, when
+        asked, ``logits``."""
+        ...
+
+    def optimizer(self, lr: Any, **hyper: Any) -> Any:
+        """The backend's own AdamW `GradientTransformation` with megatron's hyper-parameter
+        names (``b1``, ``b2``, ``eps``, ``weight_decay``, ``clip_grad``, ``loss_scale``,
+        ``initial_loss_scale``)."""
+        ...
+
     def update(self, state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
         """One optimizer update from `grads` (both taken: may be updated in place)."""
+        ...
+
+    def grad_norm(self, state: TrainState, grads: Grads) -> torch.Tensor:
+        """The global L2 norm of the gradients `update` would apply (divided by every data
+        rank's tokens, loss scale removed), without changing them (a collective)."""
         ...
 
     def after_eval(self, model: Model) -> None:
@@ -52,6 +103,55 @@ class Backend(Protocol):
         they are read or written outside a forward."""
         ...
 
+    # Tensors in and out.
     def unshard(self, state: TrainState) -> dict[str, torch.Tensor]:
         """The trainable parameters as whole tensors (a collective on several ranks)."""
+        ...
+
+    def shard_into(self, dst: torch.Tensor, full: torch.Tensor) -> None:
+        """Fill `dst` (one of this backend's tensors, a shard or whole) with its part of the
+        whole tensor `full`, cut locally (no communication)."""
+        ...
+
+    def save(self, state: TrainState, directory: Path) -> dict[str, Any]:
+        """Write `state` into the existing `directory` (every rank calls it); returns what the
+        manifest records about the layout (JSON-able)."""
+        ...
+
+    def load(self, state: TrainState, directory: Path, manifest: Mapping[str, Any]) -> TrainState:
+        """`state` (already taken) filled from the checkpoint in `directory`."""
+        ...
+
+    def load_weights(
+        self, state: TrainState, directory: Path, rename: Callable[[str], str] | None
+    ) -> None:
+        """Copy the HF weights (safetensors) in `directory` into the state's parameters, in
+        place, each file key passed through `rename` first."""
+        ...
+
+    # LoRA.
+    def add_lora(
+        self, model: Model, config: LoraConfig | Mapping[str, Any], adapter_name: str
+    ) -> Model:
+        """`model` with LoRA adapter `adapter_name` of `config`, base weights frozen."""
+        ...
+
+    def adapter_names(self, model: Model) -> list[str]:
+        """The adapters `model` holds, in the order added."""
+        ...
+
+    def set_adapter(self, model: Model, adapter_name: str) -> None:
+        """Make `adapter_name` the active adapter of `model`."""
+        ...
+
+    def use_adapter(self, state: TrainState) -> None:
+        """Activate the adapter whose weights `state` trains before computing with it."""
+        ...
+
+    def adapter_state_dict(self, state: TrainState) -> dict[str, torch.Tensor]:
+        """The trained adapter's whole tensors, keyed as in a peft adapter file."""
+        ...
+
+    def adapter_config(self, state: TrainState) -> LoraConfig:
+        """The peft config of the adapter `state` trains."""
         ...

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from twinkle_fn import backends
 from twinkle_fn.models.families import family_of
-from twinkle_fn.models.lm_head import fuse_lm_head
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,20 +27,20 @@ class Model:
     """A causal LM ready to be trained by a backend.
 
     ``module``: the transformers model (parameters in ``param_dtype``, usually float32 master
-    weights). ``family``: its ``model_type``. ``backend``: ``"fsdp"`` (the transformers backend,
-    which on one process runs the module as is) or ``"megatron"`` (which builds megatron-core's
+    weights). ``family``: its ``model_type``. ``backend``: ``"transformers"`` (FSDP2/DTensor over
+    the module, which on one process runs the module as is; ``"fsdp"`` is its older name) or ``"megatron"`` (which builds megatron-core's
     ``GPTModel`` from the module's config and weights when a state is initialised).
     ``compute_dtype``: the autocast dtype of the forward pass (``torch.float32`` means no
     autocast). ``placement``: None on one process, else the backend's description of the mesh
     the module is sharded over. ``options``: backend settings (the megatron backend's are listed
-    in `twinkle_fn.backends.megatron`). ``weights_dir``: a local HF checkpoint directory that
+    in `twinkle_fn.backends.megatron.backend`). ``weights_dir``: a local HF checkpoint directory that
     the megatron backend reads each rank's slices from; the module is then a skeleton on the
     meta device.
     """
 
     module: torch.nn.Module
     family: str
-    backend: str = "fsdp"
+    backend: str = "transformers"
     compute_dtype: torch.dtype = torch.float32
     placement: Any = None  # set by a multi-rank backend: where the module's shards live
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -60,7 +60,7 @@ class Model:
 def from_hf_config(
     config: PretrainedConfig | dict[str, Any],
     *,
-    backend: str = "fsdp",
+    backend: str = "transformers",
     precision: str = "fp32",
     device: str | torch.device | None = None,
     seed: int | None = None,
@@ -80,7 +80,7 @@ def from_hf_config(
             raise ValueError("config dict has no 'model_type'; add e.g. model_type='qwen2'")
         config = AutoConfig.for_model(**config)
     family = family_of(config)
-    _check_backend(backend)
+    backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
     if seed is not None:
         torch.manual_seed(seed)
@@ -91,7 +91,7 @@ def from_hf_config(
 def from_pretrained(
     model_id: str | os.PathLike[str],
     *,
-    backend: str = "fsdp",
+    backend: str = "transformers",
     precision: str = "fp32",
     device: str | torch.device | None = None,
     activation_checkpointing: bool = False,
@@ -101,17 +101,17 @@ def from_pretrained(
 
     `model_id` is a directory with ``config.json`` and safetensors weights, or ``hf://org/name`` /
     ``ms://org/name`` (downloaded only when that hub is reachable). `precision`,
-    `activation_checkpointing` and `options` are as in `from_hf_config`. With
-    ``backend="megatron"`` nothing is loaded here: each rank reads its own slices of the files
-    when the state is initialised. Raises ``ValueError`` when the directory has no
+    `activation_checkpointing` and `options` are as in `from_hf_config`. A backend that reads its
+    own slices of the files when the state is initialised (megatron) gets a skeleton on the meta
+    device and the directory, and nothing is loaded here. Raises ``ValueError`` when the directory has no
     ``config.json``, the family is unknown, or a hub id cannot be fetched.
     """
     path = resolve_model_dir(model_id)
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
-    _check_backend(backend)
+    backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
-    if backend == "megatron":
+    if backends.get(backend).reads_own_weights:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return _model(
@@ -138,15 +138,12 @@ def _model(
     options: Mapping[str, Any] | None = None,
     weights_dir: Path | None = None,
 ) -> Model:
-    fuse_lm_head(module)
+    backends.get(backend).adopt(module)
     module.train()  # from_pretrained returns eval mode; training wants dropout as configured
     if activation_checkpointing:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if weights_dir is None:
-        # The megatron backend builds its own model: the HF module only lends it initial
-        # weights, so it stays on the CPU unless asked otherwise.
-        default = torch.device("cpu") if backend == "megatron" else _default_device()
-        module = module.to(device or default)
+        module = module.to(device or backends.get(backend).module_device())
     return Model(
         module,
         family,
@@ -199,18 +196,12 @@ def _download(scheme: str, repo_id: str) -> Path:
         ) from e
 
 
-def _check_backend(backend: str) -> None:
-    from twinkle_fn import backends  # the registry imports this module's Model
-
-    if backend not in backends.names():
-        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(backends.names())}")
+def _check_backend(backend: str) -> str:
+    """The backend's canonical name. Raises ``ValueError`` for an unknown one."""
+    return backends.canonical(backend)
 
 
 def _dtype(precision: str) -> torch.dtype:
     if precision not in _DTYPES:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(_DTYPES)}")
     return _DTYPES[precision]
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

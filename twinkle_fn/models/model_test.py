@@ -8,7 +8,7 @@ from twinkle_fn.testing import tiny_config
 @pytest.mark.parametrize("family", FAMILIES)
 def test_from_hf_config_builds_every_family(family):
     model = from_hf_config(tiny_config(family), seed=0, device="cpu")
-    assert model.family == family and model.backend == "fsdp"
+    assert model.family == family and model.backend == "transformers"
     assert all(p.dtype == torch.float32 for p in model.module.parameters())
 
 

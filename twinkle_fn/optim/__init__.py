@@ -1,5 +1,6 @@
 """Optax-style optimizers over in-place torch kernels: `adamw`, `sgd`, `clip_by_global_norm`,
-composed with `chain` and applied with `apply_updates`."""
+composed with `chain` and applied with `apply_updates`; and `megatron_optimizer`, megatron-core's
+distributed optimizer, for the megatron backend."""
 
 from twinkle_fn.optim.adamw import AdamWState, adamw
 from twinkle_fn.optim.base import (
@@ -15,6 +16,7 @@ from twinkle_fn.optim.base import (
 )
 from twinkle_fn.optim.clip import clip_by_global_norm
 from twinkle_fn.optim.masks import DecayMask, default_decay_mask, resolve_mask
+from twinkle_fn.optim.megatron import megatron_optimizer
 from twinkle_fn.optim.sgd import SGDState, sgd
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "clip_by_global_norm",
     "current_lr",
     "default_decay_mask",
+    "megatron_optimizer",
     "resolve_mask",
     "sgd",
 ]

@@ -1,0 +1,442 @@
+"""The megatron backend on real gloo ranks: every mesh trains like one process, and like the
+transformers backend, from the same HF initialisation.
+
+Two spawned worlds keep the suite short (megatron-core takes seconds to import): one process
+runs the references and the single-process checks, two processes run every mesh in turn.
+
+Tolerances (float32: megatron's distributed optimizer has no float64 path). Losses agree to a
+relative 1e-5: the ranks sum the same token losses in another order (observed <= 3e-7).
+Parameters after 3 AdamW steps agree to 2e-4 absolute, 2% of one step at lr 1e-2: Adam divides
+each gradient by its own running scale, so an element whose gradient is almost zero moves by up
+to lr on the sign of float32 rounding noise (observed <= 6e-5). Per-token log-probabilities
+(`fwd_bwd`'s aux, `evaluate_logps`) of the initial weights agree with the HF model's
+log-softmax at the labels to 1e-5 absolute (float32 rounding of the same sums).
+"""
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
+
+import twinkle_fn as tf
+from twinkle_fn.backends.megatron import parallel, param_sync
+from twinkle_fn.backends.megatron.backend import evaluate_logps, megatron_optimizer
+from twinkle_fn.backends.megatron.optimizer import _torch_adams
+from twinkle_fn.backends.megatron.placement import model_placement
+from twinkle_fn.backends.transformers.compute import model_inputs
+from twinkle_fn.data import pack, pad_collate
+from twinkle_fn.distributed import rank
+from twinkle_fn.losses import token_logps
+from twinkle_fn.testing import no_host_sync, random_features, tiny_config
+from twinkle_fn.testing_dist import spawn
+
+STEPS = 3
+LR = tf.schedules.megatron("linear", 1e-2, 1e-3, 0, 4)  # a new lr at every step
+LOSS_RTOL, PARAM_ATOL, LOGPS_ATOL = 1e-5, 2e-4, 1e-5
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CONFIGS = {
+    "qwen2": {},
+    "qwen2-tied": {"tie_word_embeddings": True},
+    "qwen3_moe": {},
+}
+# name -> (model, mesh sizes, backend options, batch layout)
+MESHES = {
+    "tp2": ("qwen2", {"tp": 2}, {}, "packed"),
+    "pp2": ("qwen2-tied", {"pp": 2}, {"num_micro_batches": 2}, "padded"),
+    "dp2": ("qwen2", {"dp": 2}, {}, "packed"),
+    "dp2-gather": ("qwen2", {"dp": 2}, {"overlap_param_gather": True}, "packed"),
+    "tp2-sp": ("qwen2", {"tp": 2, "sequence_parallel": True}, {}, "packed"),
+    "ep2": ("qwen3_moe", {"dp": 2, "ep": 2}, {}, "packed"),
+    "tp2-ep2-sp": ("qwen3_moe", {"tp": 2, "ep": 2, "sequence_parallel": True}, {}, "packed"),
+    "cp2": ("qwen2", {"cp": 2}, {}, "padded"),
+    "cp2-packed": ("qwen3_moe", {"cp": 2}, {}, "packed"),  # q/k norms, MoE, THD chunks
+}
+
+
+def _config(name):
+    return tiny_config(name.split("-")[0], **CONFIGS[name])
+
+
+def _model(name, backend, **kwargs):
+    return tf.models.from_hf_config(_config(name), seed=0, backend=backend, **kwargs)
+
+
+def _tx(backend):
+    if backend == "megatron":
+        return megatron_optimizer(LR, clip_grad=1.0, weight_decay=0.01)
+    return tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(LR, weight_decay=0.01))
+
+
+def _batch(feats, layout):
+    return pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+
+
+def _hf_names(params, name):
+    """HF checkpoint names (one tensor per expert), as the megatron backend exports."""
+    return revert_weight_conversion(AutoModelForCausalLM.from_config(_config(name)), params)
+
+
+def _train(name, sizes=None, options=None, layout="packed", backend="megatron", tx=None, **kw):
+    """STEPS steps on this rank's slice of each global batch, then an evaluation of the whole
+    first batch: ``({infos, params, eval}, state)``."""
+    mesh = tf.Mesh(**(sizes or {}))
+    state = tf.init(_model(name, backend, options=options, **kw), tx or _tx(backend), mesh)
+    # The initial weights' log-probs of the whole first batch, and of this rank's slice.
+    logps = {"slice": mesh.get_slice(8, rank())}
+    if backend == "megatron":
+        logps["eval"] = evaluate_logps(state, _batch(random_features(8, seed=100), layout))[1]
+    infos = []
+    for i in range(STEPS):
+        feats = random_features(8, seed=100 + i)
+        grads, aux = tf.fwd_bwd(state, _batch(feats[mesh.get_slice(len(feats), rank())], layout))
+        logps.setdefault("fwd_bwd", aux.get("logps"))
+        state, info = tf.step(state, grads)
+        infos.append({k: float("nan") if v is None else float(v) for k, v in info.items()})
+    evaluated = tf.evaluate(state, _batch(random_features(8, seed=100), layout))
+    run = dict(
+        infos=infos,
+        params=_hf_names(tf.unshard(state), name),
+        eval=(float(evaluated.loss_sum), int(evaluated.num_tokens)),
+        logps=logps,
+    )
+    if backend == "megatron":
+        parallel.destroy()
+    return run, state
+
+
+def _accumulation():
+    """Two fwd_bwd calls with accum, or one call with two megatron micro-batches, == one call."""
+    feats = random_features(8, seed=7)
+    out = {}
+    for how in ("whole", "accum", "micro"):
+        options = {"num_micro_batches": 2} if how == "micro" else None
+        state = tf.init(_model("qwen2", "megatron", options=options), _tx("megatron"))
+        if how == "accum":
+            grads, _ = tf.fwd_bwd(state, pack(feats[:3]))
+            grads, _ = tf.fwd_bwd(state, pack(feats[3:]), accum=grads)
+        else:
+            grads, _ = tf.fwd_bwd(state, pack(feats))
+        shapes = {n: g.shape == state.params[n].shape for n, g in grads.params.items()}
+        micro = grads.num_micro_batches
+        state, info = tf.step(state, grads)
+        out[how] = (float(info["loss"]), tf.unshard(state), all(shapes.values()), micro)
+    return out
+
+
+def _misuse():
+    """Stale or copied gradients and direct updates are refused (the last call donates)."""
+    errors = {}
+    state = tf.init(_model("qwen2", "megatron"), _tx("megatron"))
+    first, _ = tf.fwd_bwd(state, pack(random_features(2, seed=1)))
+    second, _ = tf.fwd_bwd(state, pack(random_features(2, seed=2)))
+    for what, call in (
+        ("copied accum", lambda: tf.fwd_bwd(state, pack(random_features(2)), second, donate=False)),
+        ("transform update", lambda: state.tx.update(second.params, state.opt_state)),
+        ("stale step", lambda: tf.step(state, first)),
+    ):
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            errors[what] = str(e)
+    return errors
+
+
+def _precisions():
+    """bf16 and fp16 (constant loss scale) runs, an fp16 overflow, full recompute."""
+    bf16, state = _train("qwen2", precision="bf16")
+    master = next(iter(state.opt_state.slots.values()))["main_param"].dtype
+    fp16, _ = _train("qwen2", precision="fp16", tx=megatron_optimizer(LR, loss_scale=128.0))
+    recompute, _ = _train("qwen2", activation_checkpointing=True)
+    state = tf.init(_model("qwen2", "megatron", precision="fp16"), megatron_optimizer(LR))
+    state, overflow = tf.step(state, tf.fwd_bwd(state, pack(random_features(8)))[0])
+    skipped = (float(overflow["grad_norm"]), overflow["lr"], int(state.opt_state.count))
+    parallel.destroy()
+    return dict(bf16=bf16, master=master, fp16=fp16, recompute=recompute, overflow=skipped)
+
+
+def _compiled():
+    """A run with every decoder layer compiled (dynamo's eager backend: the same kernels)."""
+    run, state = _train("qwen2", options={"compile_layers": {"backend": "eager"}})
+    layers = state.model.placement.module.decoder.layers
+    return run, [layer._compiled_call_impl is not None for layer in layers]
+
+
+def _adam_kernels(state):
+    """Per torch Adam param group of a trained megatron state: (fused, foreach, step on the
+    params' device)."""
+    out = []
+    for adam in _torch_adams(state.opt_state.optimizer):
+        for group in adam.param_groups:
+            on_device = all(adam.state[p]["step"].device == p.device for p in group["params"])
+            out.append((group["fused"], group["foreach"], on_device))
+    return out
+
+
+def _own_process_group():
+    """With no process group, tf.init on one process starts its own one-rank group."""
+    dist.destroy_process_group()
+    run, _ = _train("qwen2")
+    return dist.get_world_size(), run
+
+
+def _one_process():
+    refs = {}
+    for name in CONFIGS:
+        for backend in ("transformers", "megatron"):
+            refs[name, backend], state = _train(name, backend=backend)
+            if (name, backend) == ("qwen2", "megatron"):
+                adam_kernels = _adam_kernels(state)
+    checks = dict(
+        padded_micro=_train("qwen2", options={"num_micro_batches": 2}, layout="padded")[0],
+        accumulation=_accumulation(),
+        misuse=_misuse(),
+        precisions=_precisions(),
+        plain_transform=_train("qwen2", tx=_tx("transformers"))[0],
+        compiled=_compiled(),
+        adam_kernels=adam_kernels,
+    )
+    parallel.destroy()
+    checks["own_group"] = _own_process_group()
+    return refs, checks
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return spawn(_one_process, 1, timeout_s=300)[0]
+
+
+def _two_ranks(weights_dir):
+    results = {}
+    for name, (model, sizes, options, layout) in MESHES.items():
+        results[name] = _train(model, sizes, options, layout)[0]
+    # Context parallelism keeps whole parameters on every rank: a plain transform applies.
+    results["cp2-plain-transform"] = _train("qwen2", {"cp": 2}, tx=_tx("transformers"))[0]
+    results["gather-plain-transform"] = _train(
+        "qwen2", {"dp": 2}, {"overlap_param_gather": True}, tx=_tx("transformers")
+    )[0]
+    results["in_flight"] = _gathers_in_flight()
+    model = tf.models.from_pretrained(weights_dir, backend="megatron")
+    state = tf.init(model, _tx("transformers"), tf.Mesh(tp=2, sequence_parallel=True))
+    loaded = tf.unshard(state)
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2)))
+    try:
+        tf.step(state, grads)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return results, loaded, refused
+
+
+def _gathers_in_flight():
+    """Parameter all-gathers in flight with ``overlap_param_gather``: after a step, after the
+    next forward, after a step and ``unshard``, after a step and ``offload``."""
+    mesh = tf.Mesh(dp=2)
+    model = _model("qwen2", "megatron", options={"overlap_param_gather": True})
+    state = tf.init(model, _tx("megatron"), mesh)
+    chunks = model_placement(state.model).chunks
+    feats = random_features(8, seed=5)[mesh.get_slice(8, rank())]
+    counts = []
+    for read in ("forward", "unshard", "offload"):
+        state, _ = tf.step(state, tf.fwd_bwd(state, pack(feats))[0])
+        counts.append(param_sync.in_flight(chunks))
+        if read == "forward":
+            tf.evaluate(state, pack(feats))
+        elif read == "unshard":
+            tf.unshard(state)
+        else:
+            state = tf.reload(tf.offload(state))
+        counts.append(param_sync.in_flight(chunks))
+    parallel.destroy()
+    return counts
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    weights_dir = tmp_path_factory.mktemp("hf")
+    _model("qwen3_moe", "transformers").module.save_pretrained(weights_dir)
+    return weights_dir, spawn(_two_ranks, 2, weights_dir, timeout_s=300)
+
+
+@functools.cache
+def _hf_logps(name, layout, start=0, stop=8):
+    """The HF model's log-softmax at the labels, at the seed-0 initialisation both backends
+    load, of features ``start:stop`` of the first batch in `layout`."""
+    module = _model(name, "transformers").module.eval()
+    batch = _batch(random_features(8, seed=100)[start:stop], layout)
+    with torch.no_grad():
+        logits = module(**model_inputs(batch, torch.device("cpu")), use_cache=False).logits
+    return token_logps(logits, batch["labels"])
+
+
+def _assert_logps(run, name, layout):
+    """`run`'s log-probs (in the batch's own layout) equal the HF model's at the same weights."""
+    logps, part = run["logps"], run["logps"]["slice"]
+    want = _hf_logps(name, layout)
+    assert logps["eval"].shape == want.shape
+    torch.testing.assert_close(logps["eval"], want, rtol=0, atol=LOGPS_ATOL)
+    torch.testing.assert_close(
+        logps["fwd_bwd"], _hf_logps(name, layout, part.start, part.stop), rtol=0, atol=LOGPS_ATOL
+    )
+
+
+def _assert_same_losses(got, want, rtol=LOSS_RTOL):
+    for info, ref in zip(got["infos"], want["infos"], strict=True):
+        assert info["loss"] == pytest.approx(ref["loss"], rel=rtol)
+        assert info["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rtol)
+        assert info["num_tokens"] == ref["num_tokens"]
+        assert info["lr"] == pytest.approx(ref["lr"])
+    assert got["eval"][0] == pytest.approx(want["eval"][0], rel=rtol)
+    assert got["eval"][1] == want["eval"][1]
+    assert got["params"].keys() == want["params"].keys()
+
+
+def _assert_same_run(got, want):
+    _assert_same_losses(got, want)
+    for n, p in got["params"].items():
+        torch.testing.assert_close(
+            p, want["params"][n], rtol=0, atol=PARAM_ATOL, msg=lambda m, n=n: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_process_matches_the_transformers_backend(one_process, name):
+    refs, _ = one_process
+    _assert_same_run(refs[name, "megatron"], refs[name, "transformers"])
+    lrs = [i["lr"] for i in refs[name, "megatron"]["infos"]]
+    assert lrs == pytest.approx([LR(i) for i in range(STEPS)])
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_mesh_matches_one_process_and_the_transformers_backend(one_process, two_ranks, mesh):
+    refs, _ = one_process
+    model, _, _, layout = MESHES[mesh]
+    for results, _, _ in two_ranks[1]:  # every rank reports the same loss, norm and weights
+        _assert_same_run(results[mesh], refs[model, "megatron"])
+        _assert_same_run(results[mesh], refs[model, "transformers"])
+        _assert_logps(results[mesh], model, layout)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logps_equal_the_hf_models_log_softmax(one_process, name):
+    """Packed batches (one micro-batch) and padded ones (two) on one process."""
+    _assert_logps(one_process[0][name, "megatron"], name, "packed")
+    _assert_logps(one_process[1]["padded_micro"], "qwen2", "padded")
+
+
+def test_accumulated_calls_and_micro_batches_equal_one_batch(one_process):
+    out = one_process[1]["accumulation"]
+    whole_loss, whole, shaped, micro = out["whole"]
+    assert shaped and micro == 1
+    assert out["accum"][3] == 2 and out["micro"][3] == 2
+    for how in ("accum", "micro"):
+        loss, params, _, _ = out[how]
+        assert loss == pytest.approx(whole_loss, rel=LOSS_RTOL)
+        for n, p in params.items():
+            torch.testing.assert_close(p, whole[n], rtol=0, atol=PARAM_ATOL, msg=n)
+
+
+def test_stale_or_copied_gradients_and_direct_updates_are_refused(one_process):
+    errors = one_process[1]["misuse"]
+    assert "no longer own megatron's grad buffers" in errors["stale step"]
+    assert "no longer own megatron's grad buffers" in errors["copied accum"]
+    assert "applied by the megatron backend's tf.step" in errors["transform update"]
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("bf16", 0.15), ("fp16", 0.05)])
+def test_mixed_precision_tracks_fp32(one_process, precision, bound):
+    """bf16 (8 significant bits) and fp16 (11) compute over fp32 master weights. Losses stay
+    within 2e-2 relative of fp32 (observed 2e-4). Weights are compared by their whole update:
+    Adam turns the rounding noise of near-zero gradients into full steps, and the exported
+    weights are the model's bf16 / fp16 copies, so single elements (and tiny tensors such as
+    a k_proj bias) may differ by a step; the update as a whole differs from fp32's by 8% (bf16)
+    and 2% (fp16) of its norm."""
+    out, fp32 = one_process[1]["precisions"], one_process[0]["qwen2", "megatron"]
+    assert out["master"] == torch.float32
+    assert all(p.dtype == _DTYPES[precision] for p in out[precision]["params"].values())
+    _assert_same_losses(out[precision], fp32, rtol=2e-2)
+    init = _hf_names(dict(_model("qwen2", "transformers").module.state_dict()), "qwen2")
+    got, want = out[precision]["params"], fp32["params"]
+    error = sum(((got[n].float() - want[n]) ** 2).sum() for n in init) ** 0.5
+    update = sum(((want[n] - init[n]) ** 2).sum() for n in init) ** 0.5
+    assert error < bound * update
+
+
+def test_full_recompute_changes_nothing(one_process):
+    _assert_same_run(one_process[1]["precisions"]["recompute"], one_process[0]["qwen2", "megatron"])
+
+
+def test_compiled_layers_change_nothing(one_process):
+    run, compiled = one_process[1]["compiled"]
+    assert compiled and all(compiled)
+    _assert_same_run(run, one_process[0]["qwen2", "megatron"])
+
+
+def test_megatrons_torch_adam_steps_with_the_fused_kernel(one_process):
+    kernels = one_process[1]["adam_kernels"]
+    assert kernels and all(k == (True, False, True) for k in kernels)
+
+
+def test_an_fp16_overflow_skips_the_update(one_process):
+    grad_norm, lr, count = one_process[1]["precisions"]["overflow"]  # loss scale 2**32
+    assert math.isnan(grad_norm) and lr is None and count == 0
+
+
+def test_a_plain_transform_runs_on_whole_parameters(one_process, two_ranks):
+    _assert_same_run(one_process[1]["plain_transform"], one_process[0]["qwen2", "transformers"])
+    for results, _, refused in two_ranks[1]:
+        assert "needs whole parameters on every rank" in refused
+        _assert_same_run(results["cp2-plain-transform"], one_process[1]["plain_transform"])
+
+
+def test_overlapped_parameter_gathers_are_waited_for_by_every_reader(one_process, two_ranks):
+    # One bucket group on this model: in flight after each step, settled by each reader.
+    for results, _, _ in two_ranks[1]:
+        assert results["in_flight"] == [1, 0, 1, 0, 1, 0]
+        # a plain transform updates whole parameters on every rank: nothing to gather
+        _assert_same_run(results["gather-plain-transform"], one_process[1]["plain_transform"])
+
+
+def test_one_process_starts_its_own_process_group(one_process):
+    world, run = one_process[1]["own_group"]
+    assert world == 1
+    _assert_same_run(run, one_process[0]["qwen2", "megatron"])
+
+
+def test_from_pretrained_reads_each_rank_slices_exactly(two_ranks):
+    weights_dir, per_rank = two_ranks
+    want = _hf_names(
+        dict(AutoModelForCausalLM.from_pretrained(weights_dir).state_dict()), "qwen3_moe"
+    )
+    for _, loaded, _ in per_rank:
+        assert loaded.keys() == want.keys()
+        assert all(torch.equal(loaded[n], want[n]) for n in want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_training_step_on_cuda_never_syncs_the_host(layout):
+    """fwd_bwd and step of a CPU batch queue all their work, the gradient clip included
+    (`twinkle_fn.backends.megatron.multi_tensor`): the grad norm stays on the device. A packed row is
+    rotated from each token's position (`twinkle_fn.backends.megatron.packed_rotary`; megatron's own
+    THD rotation reads the sample bounds on the host in every layer) and attends on a varlen
+    kernel."""
+    model = tf.models.from_hf_config(
+        tiny_config(), seed=0, backend="megatron", device="cuda", precision="bf16"
+    )
+    try:
+        state = tf.init(model, megatron_optimizer(LR))
+        batch = _batch(random_features(4, seed=1), layout)
+        state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
+        with no_host_sync():
+            grads, _ = tf.fwd_bwd(state, batch)
+            state, info = tf.step(state, grads)
+        assert info["grad_norm"].is_cuda
+        assert torch.isfinite(info["loss"]) and torch.isfinite(info["grad_norm"])
+    finally:
+        parallel.destroy()
+        dist.destroy_process_group()

@@ -1,0 +1,371 @@
+"""The HF <-> megatron-core bridge tables and where they place tensors.
+
+One table of `Rule` rows per model family (`rules_for`), which layers are routed-MoE
+(`moe_layers`), the model and parallel layout the tables are laid out over, and the expansion of
+a table into the concrete tensors of one pipeline stage and expert-parallel rank. The functions
+that move tensors (`hf_to_mcore`, `mcore_to_hf`) live in `twinkle_fn.backends.megatron.bridge`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from twinkle_fn.models.families import family_of
+
+TRANSFORMS: dict[str, int] = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
+STAGES = ("first", "layer", "last")
+LAYER_KINDS = ("all", "dense", "moe")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a family's table: HF tensors `hf` <-> megatron-core tensor `mcore`.
+
+    `hf` and `mcore` are patterns with ``{layer}`` (global index in `hf`, stage-local in
+    `mcore`) and ``{expert}`` (global in `hf`, local to the expert-parallel rank in `mcore`).
+    `transform` is one of `TRANSFORMS` ('copy', 'vocab': pad to megatron's vocabulary, 'qkv':
+    fuse per query group, 'gate_up': fuse per TP rank); `tp_dim` is the dim of the megatron
+    tensor that tensor parallelism splits (expert tensors: expert tensor parallelism), ``None``
+    when replicated. `stage` places the tensor on the first pipeline stage, in every layer, or
+    on the last stage; `layers` restricts a layer rule to dense or MoE layers; a `tied` rule
+    is the last stage's copy of a tied embedding (imported, never exported). Raises
+    ``ValueError`` for an unknown transform, stage or layer kind, or a wrong number of names.
+    """
+
+    hf: tuple[str, ...]
+    mcore: str
+    transform: str
+    tp_dim: int | None
+    stage: str = "layer"
+    layers: str = "all"
+    tied: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"Rule transform {self.transform!r} is not one of {list(TRANSFORMS)}")
+        if len(self.hf) != TRANSFORMS[self.transform]:
+            raise ValueError(
+                f"Rule for {self.mcore!r}: transform {self.transform!r} takes "
+                f"{TRANSFORMS[self.transform]} HF names, got {len(self.hf)}"
+            )
+        if self.stage not in STAGES:
+            raise ValueError(f"Rule stage {self.stage!r} is not one of {STAGES}")
+        if self.layers not in LAYER_KINDS:
+            raise ValueError(f"Rule layers {self.layers!r} is not one of {LAYER_KINDS}")
+        if self.transform != "copy" and self.tp_dim != 0:
+            raise ValueError(f"Rule for {self.mcore!r}: {self.transform!r} splits dim 0 over tp")
+
+    @property
+    def expert(self) -> bool:
+        """Whether the tensor belongs to one routed expert (split over ep, then etp)."""
+        return "{expert}" in self.mcore
+
+
+_L, _M = "model.layers.{layer}.", "decoder.layers.{layer}."
+_HF_EXPERT, _MC_EXPERT = _L + "mlp.experts.{expert}.", _M + "mlp.experts.local_experts.{expert}."
+
+
+def _qkv(suffix: str) -> tuple[str, ...]:
+    return tuple(f"{_L}self_attn.{p}_proj.{suffix}" for p in "qkv")
+
+
+EMBEDDING = Rule(
+    ("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "vocab", 0, stage="first"
+)
+INPUT_NORM = Rule((_L + "input_layernorm.weight",), _M + "input_layernorm.weight", "copy", None)
+QKV = Rule(_qkv("weight"), _M + "self_attention.linear_qkv.weight", "qkv", 0)
+QKV_BIAS = Rule(_qkv("bias"), _M + "self_attention.linear_qkv.bias", "qkv", 0)
+QK_NORM = (
+    Rule((_L + "self_attn.q_norm.weight",), _M + "self_attention.q_layernorm.weight", "copy", None),
+    Rule((_L + "self_attn.k_norm.weight",), _M + "self_attention.k_layernorm.weight", "copy", None),
+)
+O_PROJ = Rule(
+    (_L + "self_attn.o_proj.weight",), _M + "self_attention.linear_proj.weight", "copy", 1
+)
+O_BIAS = Rule((_L + "self_attn.o_proj.bias",), _M + "self_attention.linear_proj.bias", "copy", None)
+POST_ATTN_NORM = Rule(
+    (_L + "post_attention_layernorm.weight",), _M + "pre_mlp_layernorm.weight", "copy", None
+)
+MLP = (
+    Rule(
+        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+        _M + "mlp.linear_fc1.weight",
+        "gate_up",
+        0,
+        layers="dense",
+    ),
+    Rule((_L + "mlp.down_proj.weight",), _M + "mlp.linear_fc2.weight", "copy", 1, layers="dense"),
+)
+MLP_BIAS = (
+    Rule(
+        (_L + "mlp.gate_proj.bias", _L + "mlp.up_proj.bias"),
+        _M + "mlp.linear_fc1.bias",
+        "gate_up",
+        0,
+        layers="dense",
+    ),
+    Rule((_L + "mlp.down_proj.bias",), _M + "mlp.linear_fc2.bias", "copy", None, layers="dense"),
+)
+MOE = (
+    Rule((_L + "mlp.gate.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
+    Rule(
+        (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
+        _MC_EXPERT + "linear_fc1.weight",
+        "gate_up",
+        0,
+        layers="moe",
+    ),
+    Rule(
+        (_HF_EXPERT + "down_proj.weight",),
+        _MC_EXPERT + "linear_fc2.weight",
+        "copy",
+        1,
+        layers="moe",
+    ),
+)
+FINAL_NORM = Rule(
+    ("model.norm.weight",), "decoder.final_layernorm.weight", "copy", None, stage="last"
+)
+LM_HEAD = Rule(("lm_head.weight",), "output_layer.weight", "vocab", 0, stage="last")
+TIED_LM_HEAD = Rule(
+    ("model.embed_tokens.weight",), "output_layer.weight", "vocab", 0, stage="last", tied=True
+)
+
+
+@dataclass(frozen=True)
+class _Family:
+    # A bias is always on (True), always off (False), or switched by the named HF config flag.
+    qkv_bias: bool | str
+    o_bias: bool | str
+    mlp_bias: bool | str
+    qk_norm: bool
+    moe: bool
+
+
+_FAMILY_TABLE: dict[str, _Family] = {
+    "llama": _Family("attention_bias", "attention_bias", "mlp_bias", qk_norm=False, moe=False),
+    "mistral": _Family(False, False, False, qk_norm=False, moe=False),
+    "qwen2": _Family(True, False, False, qk_norm=False, moe=False),
+    "qwen3": _Family("attention_bias", "attention_bias", False, qk_norm=True, moe=False),
+    "qwen3_moe": _Family("attention_bias", "attention_bias", False, qk_norm=True, moe=True),
+}
+
+
+def _family(hf_config: PretrainedConfig) -> _Family:
+    family = family_of(hf_config)
+    if family not in _FAMILY_TABLE:
+        raise ValueError(
+            f"model family {family!r} has no Megatron bridge; bridged families: "
+            f"{', '.join(_FAMILY_TABLE)}"
+        )
+    return _FAMILY_TABLE[family]
+
+
+def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
+    """The bridge table of `hf_config`'s family, in HF checkpoint order.
+
+    Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the config.
+    Raises ``ValueError`` for a family without a bridge (naming the bridged ones).
+    """
+    fam = _family(hf_config)
+
+    def on(flag: bool | str) -> bool:
+        return flag if isinstance(flag, bool) else bool(getattr(hf_config, flag, False))
+
+    rules = [EMBEDDING, INPUT_NORM, QKV]
+    rules += [QKV_BIAS] if on(fam.qkv_bias) else []
+    rules += QK_NORM if fam.qk_norm else ()
+    rules += [O_PROJ]
+    rules += [O_BIAS] if on(fam.o_bias) else []
+    rules += [POST_ATTN_NORM, *MLP]
+    rules += MLP_BIAS if on(fam.mlp_bias) else ()
+    rules += MOE if fam.moe else ()
+    rules += [FINAL_NORM, TIED_LM_HEAD if hf_config.tie_word_embeddings else LM_HEAD]
+    return rules
+
+
+def moe_layers(hf_config: PretrainedConfig) -> tuple[bool, ...]:
+    """Per global layer, whether it is a routed-MoE layer (transformers' Qwen3-MoE rule).
+
+    A layer is MoE unless it is in ``mlp_only_layers``, when ``num_experts > 0`` and
+    ``(layer + 1) % decoder_sparse_step == 0``. Dense families give all ``False``. Raises
+    ``ValueError`` for a family without a bridge.
+    """
+    layers = hf_config.num_hidden_layers
+    if not _family(hf_config).moe:
+        return (False,) * layers
+    only = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    experts = hf_config.num_experts
+    return tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+
+
+@dataclass(frozen=True)
+class _Model:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    ffn: int
+    moe_ffn: int
+    experts: int
+    moe: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    vocab_multiple: int
+
+
+def _model(hf_config: PretrainedConfig) -> _Model:
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    moe = moe_layers(hf_config)
+    return _Model(
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=hf_config.vocab_size,
+        layers=hf_config.num_hidden_layers,
+        ffn=hf_config.intermediate_size,
+        moe_ffn=getattr(hf_config, "moe_intermediate_size", 0) if any(moe) else 0,
+        experts=getattr(hf_config, "num_experts", 0) if any(moe) else 0,
+        moe=moe,
+    )
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _rank(name: str, rank: int, size: int) -> None:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
+        raise ValueError(f"{name}={rank!r} is out of range; use 0 <= {name} < {size}")
+
+
+def _check_layout(model: _Model, lay: _Layout) -> None:
+    _positive(
+        tp_size=lay.tp,
+        pp_size=lay.pp,
+        ep_size=lay.ep,
+        etp_size=lay.etp,
+        vocab_multiple=lay.vocab_multiple,
+    )
+    heads, kv, tp = model.heads, model.kv_heads, lay.tp
+    if heads % kv:
+        raise ValueError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}"
+        )
+    if kv >= tp and kv % tp:
+        raise ValueError(
+            f"tp_size={tp} does not divide num_key_value_heads={kv}; megatron-core splits whole "
+            "query groups over tensor parallelism. Use a tp_size that divides it."
+        )
+    if kv < tp and (tp % kv or heads % tp or (kv * (heads // kv + 2) * model.head_dim) % tp):
+        raise ValueError(
+            f"tp_size={tp} exceeds num_key_value_heads={kv}, so megatron-core replicates kv heads: "
+            f"that needs num_key_value_heads to divide tp_size and tp_size to divide "
+            f"num_attention_heads={heads} and the fused qkv rows. Use a smaller tp_size."
+        )
+    if not all(model.moe) and model.ffn % tp:
+        raise ValueError(
+            f"tp_size={tp} does not divide intermediate_size={model.ffn}; use a tp_size that does"
+        )
+    if any(model.moe):
+        if model.experts % lay.ep:
+            raise ValueError(
+                f"ep_size={lay.ep} does not divide num_experts={model.experts}; use one that does"
+            )
+        if model.moe_ffn % lay.etp:
+            raise ValueError(
+                f"etp_size={lay.etp} does not divide moe_intermediate_size={model.moe_ffn}"
+            )
+    if model.layers % lay.pp:
+        raise ValueError(
+            f"pp_size={lay.pp} does not divide num_hidden_layers={model.layers}; the bridge "
+            "places an equal number of layers on each pipeline stage"
+        )
+
+
+@dataclass(frozen=True)
+class _Slot:
+    rule: Rule
+    hf: tuple[str, ...]
+    mcore: str
+    pp_rank: int
+    ep_rank: int
+
+
+def _slots(
+    rules: Sequence[Rule], model: _Model, lay: _Layout, pp_rank: int, ep_ranks: Iterable[int]
+) -> Iterator[_Slot]:
+    # The tensors of pipeline stage `pp_rank` (and of the expert-parallel ranks `ep_ranks`), in
+    # HF order: embedding, then layer by layer, then the final norm and output layer.
+    first, last = pp_rank == 0, pp_rank == lay.pp - 1
+    per_stage, local_experts = model.layers // lay.pp, model.experts // lay.ep
+    ep_ranks = tuple(ep_ranks)
+    if first:
+        for rule in rules:
+            if rule.stage == "first":
+                yield _Slot(rule, rule.hf, rule.mcore, pp_rank, 0)
+    for local in range(per_stage):
+        layer = pp_rank * per_stage + local
+        kind = "moe" if model.moe[layer] else "dense"
+        for rule in rules:
+            if rule.stage != "layer" or rule.layers not in ("all", kind):
+                continue
+            if not rule.expert:
+                hf = tuple(p.format(layer=layer) for p in rule.hf)
+                yield _Slot(rule, hf, rule.mcore.format(layer=local), pp_rank, 0)
+                continue
+            for ep_rank in ep_ranks:
+                for j in range(local_experts):
+                    expert = ep_rank * local_experts + j
+                    hf = tuple(p.format(layer=layer, expert=expert) for p in rule.hf)
+                    yield _Slot(
+                        rule, hf, rule.mcore.format(layer=local, expert=j), pp_rank, ep_rank
+                    )
+    if last:
+        for rule in rules:
+            if rule.stage == "last" and not (rule.tied and first):
+                yield _Slot(rule, rule.hf, rule.mcore, pp_rank, 0)
+
+
+def _layout(
+    hf_config: PretrainedConfig,
+    tp_size: int,
+    pp_size: int,
+    ep_size: int,
+    etp_size: int,
+    vocab_multiple: int,
+) -> tuple[list[Rule], _Model, _Layout]:
+    rules = rules_for(hf_config)
+    model = _model(hf_config)
+    lay = _Layout(tp_size, pp_size, ep_size, etp_size, vocab_multiple)
+    _check_layout(model, lay)
+    return rules, model, lay
+
+
+def _etp_rank(tp_rank: int, etp_rank: int | None, lay: _Layout) -> int:
+    # megatron-core orders dense ranks tp-first and expert ranks etp-first, so when etp divides
+    # tp a rank's expert TP coordinate is its TP coordinate modulo etp.
+    if etp_rank is not None:
+        _rank("etp_rank", etp_rank, lay.etp)
+        return etp_rank
+    if lay.tp % lay.etp:
+        raise ValueError(
+            f"etp_size={lay.etp} does not divide tp_size={lay.tp}, so the expert tensor-parallel "
+            "rank does not follow from tp_rank; pass it (Mesh.expert_coords(rank)['etp'])"
+        )
+    return tp_rank % lay.etp

@@ -1,0 +1,457 @@
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from twinkle_fn.backends.megatron.bridge import (
+    MLP,
+    O_PROJ,
+    QKV,
+    export_buckets,
+    hf_to_mcore,
+    join_shards,
+    mcore_to_hf,
+    moe_layers,
+    rules_for,
+)
+from twinkle_fn.backends.megatron.bridge_transforms import padded_vocab_size
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import FAMILIES
+from twinkle_fn.testing import tiny_config
+
+# Variants beyond the plain tiny configs: tied embeddings (the pp > 1 output copy), a head_dim
+# that is not hidden / heads, every llama bias, one kv head under tp=2 (megatron replicates kv
+# heads), and a Qwen3-MoE with a dense layer.
+CASES = {
+    **{family: {} for family in FAMILIES},
+    "qwen2-tied": {"tie_word_embeddings": True},
+    "qwen3-hd16": {"head_dim": 16},
+    "llama-bias": {"attention_bias": True, "mlp_bias": True},
+    "mistral-kv1": {"num_key_value_heads": 1},
+    "qwen3_moe-mixed": {"mlp_only_layers": [1]},
+}
+
+
+def _config(case):
+    return tiny_config(case.split("-")[0], **CASES[case])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Per case: the config and the tensors save_pretrained writes (the on-disk names)."""
+    out = {}
+    for case in CASES:
+        cfg = _config(case)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg)
+        path = tmp_path_factory.mktemp(case)
+        model.save_pretrained(path)
+        out[case] = (cfg, load_file(path / "model.safetensors"))
+    return out
+
+
+def _all_ranks(state, cfg, tp, pp, ep, **kw):
+    return {
+        (t, p, e): hf_to_mcore(
+            state, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep, **kw
+        )
+        for t, p, e in itertools.product(range(tp), range(pp), range(ep))
+    }
+
+
+def _meshes(case):
+    # (tp, pp, ep, etp): MoE models also split experts over ep and, with etp = tp, within them.
+    if "moe" not in case:
+        return [(case, tp, pp, 1, 1) for tp, pp in itertools.product((1, 2), (1, 2))]
+    grid = itertools.product((1, 2), (1, 2), (1, 2), (1, 2))
+    return [(case, tp, pp, ep, etp) for tp, pp, ep, etp in grid if etp in (1, tp)]
+
+
+@pytest.mark.parametrize(
+    ("case", "tp", "pp", "ep", "etp"), [m for case in CASES for m in _meshes(case)]
+)
+def test_round_trip_is_bit_exact(checkpoints, case, tp, pp, ep, etp):
+    cfg, state = checkpoints[case]
+    local = _all_ranks(state, cfg, tp, pp, ep, etp_size=etp)
+    layout = dict(tp_size=tp, pp_size=pp, ep_size=ep, etp_size=etp)
+    names = [name for name, _ in mcore_to_hf(local, cfg, **layout)]
+    back = dict(mcore_to_hf(local, cfg, **layout))
+    assert len(names) == len(back), "a tensor was exported twice"
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
+    """megatron-core's GPTModel parameter shapes on one rank, from the config."""
+    h, v = cfg.hidden_size, padded_vocab_size(cfg.vocab_size, tp)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    qkv_rows = (heads + 2 * kv) * hd // tp
+    shapes = {}
+    if pp_rank == 0:
+        shapes["embedding.word_embeddings.weight"] = (v // tp, h)
+    per = cfg.num_hidden_layers // pp
+    for i in range(per):
+        m = f"decoder.layers.{i}."
+        shapes[m + "input_layernorm.weight"] = (h,)
+        shapes[m + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+        if cfg.model_type == "qwen2":
+            shapes[m + "self_attention.linear_qkv.bias"] = (qkv_rows,)
+        if cfg.model_type.startswith("qwen3"):
+            shapes[m + "self_attention.q_layernorm.weight"] = (hd,)
+            shapes[m + "self_attention.k_layernorm.weight"] = (hd,)
+        shapes[m + "self_attention.linear_proj.weight"] = (h, heads * hd // tp)
+        shapes[m + "pre_mlp_layernorm.weight"] = (h,)
+        if cfg.model_type == "qwen3_moe":
+            e, f = cfg.num_experts, cfg.moe_intermediate_size
+            shapes[m + "mlp.router.weight"] = (e, h)
+            for j in range(e // ep):
+                x = f"{m}mlp.experts.local_experts.{j}."
+                shapes[x + "linear_fc1.weight"] = (2 * f // etp, h)
+                shapes[x + "linear_fc2.weight"] = (h, f // etp)
+        else:
+            f = cfg.intermediate_size
+            shapes[m + "mlp.linear_fc1.weight"] = (2 * f // tp, h)
+            shapes[m + "mlp.linear_fc2.weight"] = (h, f // tp)
+    if pp_rank == pp - 1:
+        shapes["decoder.final_layernorm.weight"] = (h,)
+        if not cfg.tie_word_embeddings or pp_rank > 0:
+            shapes["output_layer.weight"] = (v // tp, h)
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("case", "etp"), [*((c, 1) for c in (*FAMILIES, "qwen2-tied", "qwen3-hd16")), ("qwen3_moe", 2)]
+)
+def test_local_shapes_match_megatron_formula(checkpoints, case, etp):
+    cfg, state = checkpoints[case]
+    ep = 2 if "moe" in case else 1
+    for (_, pp_rank, _), local in _all_ranks(state, cfg, 2, 2, ep, etp_size=etp).items():
+        got = {name: tuple(t.shape) for name, t in local.items()}
+        assert got == _expected_local_shapes(cfg, 2, 2, ep, etp, pp_rank)
+
+
+# One gloo process (tp=1, CPU) builds (a) megatron-core GPTModels with its own local layer spec
+# from TransformerConfigs written here, for names and shapes, and (b) twinkle's build_gpt_model,
+# loads a bridged save_pretrained checkpoint into it and compares its logits with HF's.
+_MEGATRON_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+    from transformers import AutoModelForCausalLM
+    from twinkle_fn.backends.megatron import parallel
+    from twinkle_fn.backends.megatron.bridge import hf_to_mcore
+    from twinkle_fn.backends.megatron.model import build_gpt_model
+    from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
+    from twinkle_fn.mesh import Mesh
+    from twinkle_fn.testing import tiny_config
+    parallel.initialize(Mesh())
+    request = json.loads(sys.stdin.read())
+    shapes = {}
+    for case in request["spec"]:
+        config = TransformerConfig(
+            **case["config"], activation_func=torch.nn.functional.silu, gated_linear_unit=True,
+            normalization="RMSNorm", use_cpu_initialization=True,
+            moe_token_dispatcher_type="allgather",
+        )
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        model = GPTModel(
+            config, spec, vocab_size=case["vocab_size"], max_sequence_length=64,
+            pre_process=case["pre"], post_process=case["post"],
+            share_embeddings_and_output_weights=case["tied"], position_embedding_type="rope",
+        )
+        shapes[case["id"]] = {
+            k: list(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)
+        }
+    logits = {}
+    for case, overrides in request["twinkle"].items():
+        cfg = tiny_config(case.split("-")[0], **overrides)
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(cfg).eval()
+        with tempfile.TemporaryDirectory() as d:
+            hf.save_pretrained(d)
+            local = hf_to_mcore(SafetensorsReader(d), cfg)
+        model = build_gpt_model(cfg, Mesh()).eval()
+        loaded = model.load_state_dict(local, strict=False)
+        ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            ref = hf(ids).logits
+            got = model(ids, torch.arange(7).expand(2, 7), None)[..., : cfg.vocab_size]
+        logits[case] = dict(
+            missing=[k for k in loaded.missing_keys if not k.endswith("_extra_state")],
+            unexpected=list(loaded.unexpected_keys),
+            diff=(got - ref).abs().max().item(),
+            scale=ref.abs().max().item(),
+        )
+    print(json.dumps(dict(shapes=shapes, logits=logits)))
+    """
+)
+
+
+def _mcore_config(cfg, num_layers, moe_freq):
+    heads = cfg.num_attention_heads
+    bias = bool(getattr(cfg, "attention_bias", False))
+    out = dict(
+        num_layers=num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        ffn_hidden_size=cfg.intermediate_size,
+        add_bias_linear=bias,
+        add_qkv_bias=cfg.model_type == "qwen2" or bias,
+        qk_layernorm=cfg.model_type.startswith("qwen3"),
+    )
+    if any(moe_freq):
+        out.update(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            moe_router_topk=cfg.num_experts_per_tok,
+            moe_layer_freq=[int(m) for m in moe_freq],
+        )
+    return out
+
+
+# (case, pp_size, pp_rank): whole models, and both stages of a tied model split in two.
+_STAGES = [*((c, 1, 0) for c in CASES), ("qwen2-tied", 2, 0), ("qwen2-tied", 2, 1)]
+
+
+@pytest.fixture(scope="module")
+def megatron_built(checkpoints):
+    spec = []
+    for case, pp, rank in _STAGES:
+        cfg, _ = checkpoints[case]
+        per = cfg.num_hidden_layers // pp
+        spec.append(
+            dict(
+                id=f"{case}/{pp}/{rank}",
+                config=_mcore_config(cfg, per, moe_layers(cfg)[rank * per : (rank + 1) * per]),
+                vocab_size=padded_vocab_size(cfg.vocab_size, 1),
+                pre=rank == 0,
+                post=rank == pp - 1,
+                tied=cfg.tie_word_embeddings,
+            )
+        )
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_SCRIPT],
+        input=json.dumps(dict(spec=spec, twinkle=CASES)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_names_and_shapes_match_megatron_cores_gpt_model(checkpoints, megatron_built):
+    """The state_dict of megatron-core's GPTModel (local layer spec) is exactly our output."""
+    for case, pp, rank in _STAGES:
+        cfg, state = checkpoints[case]
+        local = hf_to_mcore(state, cfg, pp_rank=rank, pp_size=pp)
+        shapes = {name: list(t.shape) for name, t in local.items()}
+        assert megatron_built["shapes"][f"{case}/{pp}/{rank}"] == shapes, (case, pp, rank)
+
+
+def test_bridged_checkpoint_gives_hf_logits_in_twinkles_gpt_model(megatron_built):
+    """save_pretrained -> SafetensorsReader -> hf_to_mcore -> build_gpt_model: every parameter
+    is loaded and the logits are HF's. fp32 on both sides; dense models agree exactly in
+    practice, MoE adds expert outputs in another order, hence 1e-5. A wrong qkv interleaving
+    moves the logits by ~0.4 (they are ~0.4 in size)."""
+    results = megatron_built["logits"]
+    assert results.keys() == CASES.keys()
+    for case, r in results.items():
+        assert r["missing"] == [] and r["unexpected"] == [], case
+        assert r["diff"] <= 1e-5 and r["scale"] > 0.1, (case, r)
+
+
+def test_vocab_padding_rows_are_zero_and_tied_output_is_the_embedding(checkpoints):
+    cfg, state = checkpoints["qwen2-tied"]
+    local = _all_ranks(state, cfg, 2, 2, 1)
+    embed = torch.cat([local[(t, 0, 0)]["embedding.word_embeddings.weight"] for t in range(2)])
+    output = torch.cat([local[(t, 1, 0)]["output_layer.weight"] for t in range(2)])
+    assert embed.shape[0] == 256  # 96 rounded up to a multiple of 128 * tp
+    assert torch.equal(embed[:96], state["model.embed_tokens.weight"])
+    assert not embed[96:].any()
+    assert torch.equal(output, embed)
+    assert "output_layer.weight" not in local[(0, 0, 0)]
+
+
+def test_qkv_rows_follow_megatron_group_interleaving(checkpoints):
+    """Rank 1 of tp=2 holds query group 1: [its 2 q heads, k_1, v_1], each head_dim rows."""
+    cfg, state = checkpoints["qwen2"]
+    hd, p = 8, "model.layers.0.self_attn."
+    local = hf_to_mcore(state, cfg, tp_rank=1, tp_size=2)
+    for kind in ("weight", "bias"):
+        q, k, v = (state[f"{p}{x}_proj.{kind}"] for x in "qkv")
+        expected = torch.cat([q[2 * hd : 4 * hd], k[hd : 2 * hd], v[hd : 2 * hd]])
+        assert torch.equal(local[f"decoder.layers.0.self_attention.linear_qkv.{kind}"], expected)
+
+
+def test_fc1_holds_each_ranks_gate_shard_then_up_shard(checkpoints):
+    cfg, state = checkpoints["llama"]
+    gate, up = (state[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up"))
+    fc1 = hf_to_mcore(state, cfg, tp_rank=1, tp_size=2)["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([gate[32:], up[32:]]))
+
+
+def test_join_shards_rebuilds_hf_tensors_from_any_rules_tp_shards(checkpoints):
+    """What a LoRA export relies on: each rule's transform joins tp shards laid out like its
+    megatron tensor (fused qkv, per-rank [gate; up], row-split o_proj) back into HF tensors."""
+    cfg, state = checkpoints["qwen2"]
+    ranks = [hf_to_mcore(state, cfg, tp_rank=t, tp_size=2) for t in range(2)]
+    for rule in (QKV, MLP[0], O_PROJ):
+        names = [n.format(layer=1) for n in rule.hf]
+        shards = [local[rule.mcore.format(layer=1)] for local in ranks]
+        joined = join_shards(rule, names, shards, cfg)
+        assert [n for n, _ in joined] == names
+        assert all(torch.equal(t, state[n]) for n, t in joined)
+    with pytest.raises(ValueError, match="takes 3 HF names, got 1"):
+        join_shards(QKV, names[:1], shards, cfg)
+
+
+def test_experts_are_local_to_the_ep_rank_and_layers_to_the_stage(checkpoints):
+    cfg, state = checkpoints["qwen3_moe"]
+    local = hf_to_mcore(state, cfg, pp_rank=1, pp_size=2, ep_rank=1, ep_size=2)
+    got = local["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
+    assert torch.equal(got, state["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(
+        local["decoder.layers.0.mlp.router.weight"], state["model.layers.1.mlp.gate.weight"]
+    )
+
+
+def _mesh_states(state, cfg, mesh, with_etp):
+    """Every rank of `mesh` as twinkle's Mesh places it: keys (tp, pp, ep[, etp])."""
+    local = {}
+    for rank in range(mesh.world_size):
+        dense, expert = mesh.coords(rank), mesh.expert_coords(rank)
+        key = (dense["tp"], dense["pp"], expert["ep"])
+        local[(*key, expert["etp"]) if with_etp else key] = hf_to_mcore(
+            state,
+            cfg,
+            tp_rank=dense["tp"],
+            tp_size=mesh.tp,
+            pp_rank=dense["pp"],
+            pp_size=mesh.pp,
+            ep_rank=expert["ep"],
+            ep_size=mesh.ep,
+            etp_rank=expert["etp"] if with_etp else None,
+            etp_size=mesh.etp,
+        )
+    return local
+
+
+@pytest.mark.parametrize(
+    ("mesh", "with_etp"),
+    [
+        # etp=1 under tp=2: experts whole on every tp rank; only (tp, ep) = (0, 0), (1, 1) exist.
+        (Mesh(dp=2, tp=2, ep=2, etp=1), False),
+        # etp=2 under tp=1: the expert TP rank comes from the dp ranks, so keys carry it.
+        (Mesh(dp=2, tp=1, ep=1, etp=2), True),
+    ],
+)
+def test_expert_tensor_parallelism_from_real_mesh_coordinates(checkpoints, mesh, with_etp):
+    cfg, state = checkpoints["qwen3_moe"]
+    local = _mesh_states(state, cfg, mesh, with_etp)
+    fc1 = next(iter(local.values()))[
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    ]
+    assert fc1.shape == (2 * cfg.moe_intermediate_size // mesh.etp, cfg.hidden_size)
+    layout = dict(tp_size=mesh.tp, pp_size=mesh.pp, ep_size=mesh.ep, etp_size=mesh.etp)
+    back = dict(mcore_to_hf(local, cfg, **layout))
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[name], t) for name, t in state.items())
+    if with_etp:
+        with pytest.raises(ValueError, match="pass it"):
+            hf_to_mcore(state, cfg, etp_size=2)
+        with pytest.raises(ValueError, match="pass it"):
+            mcore_to_hf({k[:3]: v for k, v in local.items()}, cfg, **layout)
+
+
+def test_lazy_getter_is_called_once_per_tensor_a_rank_needs(checkpoints):
+    cfg, state = checkpoints["qwen3_moe"]
+    calls = Counter()
+
+    def getter(name):
+        calls[name] += 1
+        return state[name]
+
+    hf_to_mcore(getter, cfg, tp_rank=0, tp_size=2, pp_rank=1, pp_size=2, ep_rank=0, ep_size=2)
+    assert set(calls.values()) == {1}
+    assert all(".layers.1." in n or n in ("model.norm.weight", "lm_head.weight") for n in calls)
+    assert not any(f"experts.{e}." in n for n in calls for e in (2, 3))
+
+
+def _hf_to_mcore_error(state, cfg, **kw):
+    with pytest.raises(ValueError) as info:
+        hf_to_mcore(state, cfg, **kw)
+    return str(info.value)
+
+
+def test_clear_errors(checkpoints):
+    cfg, state = checkpoints["llama"]
+    gpt2 = AutoConfig.for_model("gpt2")
+    assert "unknown model family 'gpt2'" in _hf_to_mcore_error(state, gpt2)
+    with pytest.raises(ValueError, match="unknown model family"):
+        rules_for(gpt2)
+    msg = _hf_to_mcore_error(state, cfg, tp_rank=0, tp_size=3)
+    assert "num_key_value_heads=2" in msg and "tp_size=3" in msg
+    msg = _hf_to_mcore_error(state, tiny_config("llama", num_key_value_heads=4), tp_size=8)
+    assert "num_key_value_heads" in msg
+    msg = _hf_to_mcore_error(state, tiny_config("llama", intermediate_size=66), tp_size=4)
+    assert "intermediate_size=66" in msg
+    assert "num_hidden_layers=2" in _hf_to_mcore_error(state, cfg, pp_size=3)
+    assert "tp_rank=2" in _hf_to_mcore_error(state, cfg, tp_rank=2, tp_size=2)
+    assert "vocab_multiple" in _hf_to_mcore_error(state, cfg, vocab_multiple=0)
+    moe_cfg, moe_state = checkpoints["qwen3_moe"]
+    assert "num_experts=4" in _hf_to_mcore_error(moe_state, moe_cfg, ep_size=3)
+    assert "moe_intermediate_size=16" in _hf_to_mcore_error(moe_state, moe_cfg, etp_size=3)
+
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.self_attn.v_proj.weight"}
+    assert "'model.layers.1.self_attn.v_proj.weight' is missing" in _hf_to_mcore_error(missing, cfg)
+    wrong = {**state, "model.layers.0.mlp.up_proj.weight": torch.zeros(60, 32)}
+    assert "up_proj.weight" in _hf_to_mcore_error(wrong, cfg, tp_size=2)
+    with pytest.raises(TypeError, match="hf_state"):
+        hf_to_mcore(42, cfg)
+
+
+def test_in_memory_moe_state_dict_is_refused_with_a_hint():
+    cfg = tiny_config("qwen3_moe")
+    fused = AutoModelForCausalLM.from_config(cfg).state_dict()
+    msg = _hf_to_mcore_error(fused, cfg)
+    assert "experts.0.gate_proj.weight' is missing" in msg and "save_pretrained" in msg
+
+
+def test_export_errors_name_the_missing_rank_or_tensor(checkpoints):
+    cfg, state = checkpoints["qwen2"]
+    local = _all_ranks(state, cfg, 2, 1, 1)
+    with pytest.raises(ValueError, match="no rank with"):
+        list(mcore_to_hf({(0, 0, 0): local[(0, 0, 0)]}, cfg, tp_size=2, pp_size=1))
+    broken = {**local, (1, 0, 0): {}}
+    with pytest.raises(ValueError, match=r"'embedding\.word_embeddings\.weight' is missing"):
+        list(mcore_to_hf(broken, cfg, tp_size=2, pp_size=1))
+    with pytest.raises(ValueError, match="pp_rank=1 is out of range"):
+        mcore_to_hf({(0, 1, 0): {}}, cfg, tp_size=1, pp_size=1)
+
+
+def test_export_buckets_bound_size_and_keep_order():
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([3, 3, 10, 1, 1])]
+    buckets = list(export_buckets(iter(named), max_bytes=24))
+    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    assert all(sum(t.nbytes for _, t in b) <= 24 or len(b) == 1 for b in buckets)
+    assert list(export_buckets([], 8)) == []
+    with pytest.raises(ValueError, match="max_bytes"):
+        export_buckets(named, 0)

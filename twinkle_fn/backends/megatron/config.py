@@ -1,0 +1,194 @@
+"""megatron-core's ``TransformerConfig`` derived from an HF config and a `Mesh`.
+
+One function per concern: `transformer_config` maps the architecture (GQA, RMSNorm, SwiGLU, q/k
+norm, qkv bias, MoE router and experts) and the parallel sizes (Megatron's vocabulary padding is
+`twinkle_fn.backends.megatron.bridge_transforms.padded_vocab_size`). Rotary embeddings and tied embeddings are ``GPTModel`` arguments, not config
+fields: `twinkle_fn.backends.megatron.model` sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from transformers import PretrainedConfig
+
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models import family_of
+
+_MOE_FAMILIES = ("qwen3_moe",)
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+_QKV_BIAS_FAMILIES = ("qwen2",)
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+def _require_divides(size: int, axis: str, count: int, what: str) -> None:
+    if count % size:
+        raise ValueError(
+            f"{axis}={size} does not divide the {count} {what} of this model; "
+            f"use a {axis} that divides {count}"
+        )
+
+
+def _moe_layer_pattern(hf_config: PretrainedConfig) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one (Qwen3-MoE's ``mlp_only_layers`` and step)."""
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
+
+
+def _moe_fields(hf_config: PretrainedConfig, mesh: Mesh) -> dict[str, Any]:
+    experts = hf_config.num_experts
+    _require_divides(mesh.ep, "ep", experts, "experts")
+    _require_divides(mesh.etp, "etp", hf_config.moe_intermediate_size, "expert MLP channels")
+    pattern = _moe_layer_pattern(hf_config)
+    aux = bool(getattr(hf_config, "output_router_logits", False))
+    return dict(
+        num_moe_experts=experts,
+        moe_layer_freq=pattern if 0 in pattern else 1,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        # HF: softmax over all experts, top-k, then renormalise iff norm_topk_prob. Megatron's
+        # pre_softmax=False (softmax over the top-k logits) is exactly the renormalised form.
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=float(hf_config.router_aux_loss_coef) if aux else 0.0,
+        moe_grouped_gemm=False,
+    )
+
+
+def _linear_bias(hf_config: PretrainedConfig, family: str) -> bool:
+    """Whether o_proj and the MLP carry biases (megatron's ``add_bias_linear``)."""
+    if family in _QKV_BIAS_FAMILIES:
+        return False
+    attn = bool(getattr(hf_config, "attention_bias", False))
+    mlp = bool(getattr(hf_config, "mlp_bias", False))
+    if attn != mlp or (attn and family in _MOE_FAMILIES):
+        # megatron has one switch for o_proj and every MLP linear (experts included).
+        raise ValueError(
+            f"attention_bias={attn} with mlp_bias={mlp} is not supported for {family}: "
+            "megatron-core biases o_proj and the MLP together; set both to the same value "
+            "(False for mixture-of-experts models)"
+        )
+    return attn
+
+
+def _check_supported(hf_config: PretrainedConfig) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; twinkle's Megatron models use silu")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError(
+            "use_sliding_window=True (per-layer sliding windows) is not supported; "
+            "use use_sliding_window=False"
+        )
+
+
+def transformer_config(
+    hf_config: PretrainedConfig,
+    mesh: Mesh,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    bf16: bool = False,
+    fp16: bool = False,
+    **overrides: Any,
+) -> TransformerConfig:
+    """The ``TransformerConfig`` of `hf_config`'s architecture on `mesh`.
+
+    Llama / Mistral (sliding window) / Qwen2 (qkv bias) / Qwen3 (q/k RMSNorm) / Qwen3-MoE
+    (router + experts, dense layers from ``mlp_only_layers``): GQA, RMSNorm, SwiGLU, linear
+    biases only where HF has them (Llama's ``attention_bias`` + ``mlp_bias``), dropout from the
+    HF config (0 by default), parallel sizes and sequence parallelism from `mesh`, CPU
+    initialisation, per-token loss and variable sequence lengths. With CUDA, fused kernels:
+    megatron's compiled SwiGLU (``bias_activation_fusion``) and bias-dropout-add
+    (``bias_dropout_fusion``) and the SDPA spec's compiled RMSNorm (``persist_layer_norm``,
+    see `twinkle_fn.backends.megatron.spec.RMSNorm`; megatron's own local spec refuses it without
+    apex); set them False for the unfused ops. Any ``TransformerConfig`` field in `overrides`
+    wins over the derived value.
+
+    Raises ``ValueError`` for an unknown family, an unknown override name, an unsupported
+    architecture option, or a mesh size that does not divide the model (attention heads, kv
+    heads and MLP channels by tp, layers by pp, experts by ep; ep > 1 on a dense model).
+    """
+    family = family_of(hf_config)
+    unknown = sorted(set(overrides) - _FIELDS)
+    if unknown:
+        raise ValueError(
+            f"unknown TransformerConfig field(s) {', '.join(map(repr, unknown))} in overrides; "
+            "pass fields of megatron.core.transformer.TransformerConfig"
+        )
+    _check_supported(hf_config)
+    bias = _linear_bias(hf_config, family)
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    _require_divides(mesh.tp, "tp", heads, "attention heads")
+    if groups >= mesh.tp:
+        _require_divides(mesh.tp, "tp", groups, "key/value heads (query groups)")
+    elif mesh.tp % groups:
+        # Fewer kv heads than tp ranks: megatron replicates each over tp // groups ranks.
+        raise ValueError(
+            f"tp={mesh.tp} is not a multiple of the {groups} key/value heads of this model; "
+            f"use a tp that divides {groups} or is a multiple of it"
+        )
+    if family not in _MOE_FAMILIES or 0 in _moe_layer_pattern(hf_config):
+        _require_divides(mesh.tp, "tp", hf_config.intermediate_size, "MLP channels")
+    _require_divides(mesh.pp, "pp", hf_config.num_hidden_layers, "layers")
+    if family not in _MOE_FAMILIES and (mesh.ep > 1 or mesh.etp > 1):
+        raise ValueError(
+            f"mesh ep={mesh.ep}, etp={mesh.etp} needs a mixture-of-experts model but this "
+            f"{family} model is dense; use ep=1 and etp=1"
+        )
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    sliding = getattr(hf_config, "sliding_window", None) if family == "mistral" else None
+    compute_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else params_dtype
+    on_cuda = torch.cuda.is_available()
+    fields: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=bias,
+        add_qkv_bias=bias or family in _QKV_BIAS_FAMILIES,
+        qk_layernorm=family in _QK_NORM_FAMILIES,
+        # HF's window of W tokens includes the query itself: W - 1 to the left, none right.
+        window_size=(sliding - 1, 0) if sliding else None,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=mesh.tp,
+        pipeline_model_parallel_size=mesh.pp,
+        context_parallel_size=mesh.cp,
+        expert_model_parallel_size=mesh.ep,
+        expert_tensor_parallel_size=mesh.etp,
+        sequence_parallel=mesh.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=compute_dtype,
+        bf16=bf16,
+        fp16=fp16,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        # torch.compile'd kernels (megatron's jit_fuser for SwiGLU and bias-dropout-add, the
+        # SDPA spec's RMSNorm for persist_layer_norm): CUDA only, where each replaces several
+        # memory-bound passes; compiling for the CPU costs more than it saves.
+        bias_activation_fusion=on_cuda,
+        bias_dropout_fusion=on_cuda,
+        persist_layer_norm=on_cuda,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,
+        # The only dispatcher that allows variable sequence lengths (megatron checks it even
+        # for dense models).
+        moe_token_dispatcher_type="alltoall",
+    )
+    if family in _MOE_FAMILIES:
+        fields.update(_moe_fields(hf_config, mesh))
+    fields.update(overrides)
+    return TransformerConfig(**fields)

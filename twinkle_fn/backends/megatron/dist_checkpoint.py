@@ -1,0 +1,318 @@
+"""Checkpoints of megatron-backend train states through megatron-core's ``dist_checkpointing``.
+
+`save` writes, into a checkpoint directory that `twinkle_fn.checkpoint` prepares and renames
+into place:
+
+- ``megatron/``: a ``torch_dist`` (PyTorch DCP) checkpoint, every rank writing its own shards:
+  the ``GPTModel``'s ``sharded_state_dict()``; the distributed optimizer's state in model space
+  (per parameter, its fp32 main copy and Adam moments under the model tensor's sharding, keys
+  ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>`` as megatron's
+  ``fully_reshardable`` format names them), so it reshards over tp, pp, ep and dp on load;
+  Adam's step and the fp16 grad scaler's state; each rank's RNG states; and the step, the
+  schedule's update count and last lr (all ``megatron_optimizer``'s schedule reads), the
+  state's RNG key and the mesh;
+- the full HF weights (``model.safetensors`` + ``config.json``), gathered across tp / pp / ep by
+  the backend's ``unshard``, so ``AutoModelForCausalLM.from_pretrained(dir)`` loads them.
+
+`load` restores model and optimizer on any mesh: megatron-core cuts each rank's shards out of
+the saved tensors. RNG states (torch's CPU and CUDA generators, megatron's tracked tensor- and
+expert-parallel streams) belong to one rank of one mesh: they are restored only when the state's
+mesh equals the saved one; otherwise the new mesh's fresh ones are kept (a run resumed on another
+mesh draws other dropout masks than an uninterrupted one would). Vocabulary tensors are padded
+per tp rank (`twinkle_fn.backends.megatron.bridge_transforms`), so their saved rows may outnumber or fall
+short of the loading mesh's; the rows both have are read, which hold every real token (the
+padding rows are zeros throughout: no token selects them and the loss masks them).
+
+Why not ``DistributedOptimizer.sharded_state_dict``: in megatron-core 0.19 its
+``fully_sharded_model_space`` format is refused by its own ``ShardedTensor`` (flattened ranges
+are gone), and ``fully_reshardable`` saves the state of every parameter after the first bucket
+of a buffer at the wrong offset (its gathered buffer drops the padding between buckets but is
+indexed with padded offsets; a tied embedding on a pipeline stage has its own bucket), and on
+load looks for torch Adam's ``step`` among the parameter tensors (KeyError). The layout here is
+the same model-space one, built from the optimizer's own tensors.
+
+megatron-core saves through a ``multiprocessing`` Manager (spawned): a script that saves needs an
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from torch import Tensor
+
+from twinkle_fn.backends.megatron.optimizer import MegatronOptState, refresh_slots
+from twinkle_fn.backends.megatron.placement import (
+    MegatronPlacement,
+    load_hf_weights,
+    model_placement,
+)
+from twinkle_fn.backends.megatron.safetensors_io import save_hf
+from twinkle_fn.backends.megatron.weights import full_weights, settle
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.state import TrainState
+
+DIST_DIR = "megatron"
+FORMAT = 1
+_RNG_KEY = "rng_state"
+# checkpoint name -> key of the main parameter's optimizer state (None: the main parameter)
+_PARAM_STATE = {"fp32_param": None, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def save(state: TrainState, directory: str | Path) -> None:
+    """Write `state`'s megatron checkpoint and its full HF weights into `directory`.
+
+    A collective: every rank calls it with the same existing `directory`; rank 0 writes the
+    HF files. Raises ``ValueError`` for a state whose optimizer is not
+    `twinkle_fn.backends.megatron.megatron_optimizer` or that trains LoRA adapters (save those
+    with `twinkle_fn.backends.megatron.lora.save_adapter`).
+    """
+    placement, opt = _checked(state)
+    directory = Path(directory)
+    target = directory / DIST_DIR
+    if dist.get_rank() == 0:
+        target.mkdir()
+    dist.barrier()
+    model = placement.module.sharded_state_dict()
+    sharded = {
+        "model": model,
+        "optimizer": {
+            "params": _optimizer_params(placement, opt, model, fill=True),
+            "common": _optimizer_common(opt),
+        },
+        _RNG_KEY: _rng_object(_rng_states()),
+        "twinkle": {
+            "format": FORMAT,
+            "step": int(state.step),
+            "rng": int(state.rng),
+            "count": int(opt.count),
+            "lr": float(opt.lr),
+            "mesh": dataclasses.asdict(placement.mesh),
+        },
+    }
+    dist_checkpointing.save(sharded, str(target), TorchDistSaveShardedStrategy())
+    weights = full_weights(state)
+    if dist.get_rank() == 0:
+        save_hf(directory, weights.items(), placement.hf_config)
+
+
+def load(state: TrainState, directory: str | Path) -> TrainState:
+    """`state` with model, optimizer, step and RNG key -- and, on the mesh it was saved on, the
+    RNG states -- read from `directory`; `state`'s tensors are overwritten in place (the caller
+    donates it).
+
+    A collective: every rank calls it. The checkpoint may come from another mesh. Raises
+    ``ValueError`` for a directory without a megatron checkpoint or of another format, or a
+    state `save` refuses; megatron-core's ``CheckpointingException`` when the checkpoint lacks
+    a tensor this model has (another model).
+    """
+    placement, opt = _checked(state)
+    target = Path(directory) / DIST_DIR
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(target)):
+        raise ValueError(
+            f"{directory} holds no megatron dist checkpoint ({DIST_DIR}/ is missing or "
+            "incomplete); save one with tf.checkpoint.save from a megatron state"
+        )
+    meta = dist_checkpointing.load_common_state_dict(str(target))["twinkle"]
+    if meta["format"] != FORMAT:
+        raise ValueError(
+            f"{directory}: megatron checkpoint format {meta['format']} is not {FORMAT}"
+        )
+    same_mesh = Mesh(**meta["mesh"]) == placement.mesh
+    model = placement.module.sharded_state_dict()
+    sharded: dict[str, Any] = {
+        "model": model,
+        "optimizer": {"params": _optimizer_params(placement, opt, model, fill=False)},
+    }
+    if same_mesh:
+        sharded[_RNG_KEY] = _rng_object(None)
+    loaded = dist_checkpointing.load(sharded, str(target), TorchDistLoadShardedStrategy())
+    placement.module.load_state_dict(loaded["model"])
+    _load_optimizer(placement, opt, loaded["optimizer"])
+    if same_mesh:
+        _set_rng_states(loaded[_RNG_KEY])
+    count = torch.tensor(meta["count"], dtype=torch.int64)
+    lr = torch.tensor(meta["lr"], dtype=torch.float64)
+    new_opt = refresh_slots(placement, dataclasses.replace(opt, count=count, lr=lr))
+    return state.replace(
+        opt_state=new_opt,
+        step=torch.tensor(meta["step"], dtype=torch.int64),
+        rng=torch.tensor(meta["rng"], dtype=torch.int64),
+    )
+
+
+def load_weights(state: TrainState, directory: str | Path) -> None:
+    """Copy the HF weights in `directory` into `state`'s megatron model, in place (this rank's
+    slices, through the bridge, as a model is loaded), and refresh the distributed optimizer's
+    fp32 main parameters from them, so that the next step starts from the loaded weights; the
+    optimizer's moments and step stay."""
+    placement = model_placement(state.model)
+    settle(state.model)  # no gather may land on the loaded weights
+    model = dataclasses.replace(state.model, weights_dir=Path(directory))
+    load_hf_weights(placement.module, model, placement.mesh, placement.vocab_multiple)
+    state.opt_state.optimizer.reload_model_params()
+
+
+def _checked(state: TrainState) -> tuple[MegatronPlacement, MegatronOptState]:
+    """`state`'s placement and optimizer state, if this module can checkpoint them, with the
+    parameters settled (no all-gather in flight to be read or overwritten)."""
+    placement = model_placement(state.model)
+    if placement.lora is not None:
+        raise ValueError(
+            "megatron checkpoints of LoRA states are not supported; save the adapter with "
+            "twinkle_fn.backends.megatron.lora.save_adapter(state, path)"
+        )
+    if not isinstance(state.opt_state, MegatronOptState):
+        raise ValueError(
+            "checkpoints of megatron states need the state of "
+            "twinkle_fn.backends.megatron.megatron_optimizer (a twinkle_fn.optim transform's "
+            "state is not sharded the way megatron's dist_checkpointing expects); initialise "
+            "the state with tf.init(model, megatron_optimizer(...), mesh)"
+        )
+    settle(state.model)
+    return placement, state.opt_state
+
+
+def _buffers(opt: MegatronOptState) -> Iterator[tuple[Any, Any]]:
+    """``(sub-optimizer, grad buffer)`` of every buffer the optimizer steps, in the same order
+    on every rank; a buffer's ``param_index_map`` gives each parameter's ``(start, end,
+    bucket)`` in it, the same on every data-parallel rank."""
+    for sub in opt.optimizer.chained_optimizers:
+        for buffer in sub.buffers:
+            yield sub, buffer
+
+
+def _owned(sub: Any, param: Tensor) -> tuple[slice, dict[str, Tensor]] | None:
+    """The flat range of `param` this data rank's optimizer owns and, by checkpoint name, the
+    optimizer tensors of that range; None when another data rank owns all of it."""
+    if param not in sub.model_param_gbuf_map:
+        return None
+    gbuf, dtype, bucket = sub.model_param_gbuf_map[param]
+    span = sub.gbuf_ranges[gbuf][dtype][bucket]["param_map"][param]["param"]
+    group, order = sub.model_param_group_index_map[param]
+    main = sub.optimizer.param_groups[group]["params"][order]
+    slot = sub.optimizer.state[main]
+    tensors = {name: main if key is None else slot[key] for name, key in _PARAM_STATE.items()}
+    return slice(span.start, span.end), tensors
+
+
+def _optimizer_params(
+    placement: MegatronPlacement, opt: MegatronOptState, model: dict[str, Any], *, fill: bool
+) -> dict[str, dict[str, Any]]:
+    """Per parameter name, its optimizer tensors shaped and sharded like the parameter's model
+    tensor (or factory) in `model`. With `fill`, each data rank writes the ranges it owns into
+    zeros and one all-reduce per buffer gathers them (a sum with one non-zero term is exact);
+    without, they are zero targets for a load (zero stays where the checkpoint has no rows: a
+    vocabulary padded further than on the saving mesh)."""
+    sharded, _ = extract_sharded_tensors_and_factories(model)
+    by_param = {id(sh.data): sh for sh in nested_values(sharded)}
+    names = {id(p): n for n, p in placement.module.named_parameters()}
+    out: dict[str, dict[str, Any]] = {}
+    for sub, buffer in _buffers(opt):
+        device = buffer.grad_data.device
+        flat = {
+            n: torch.zeros(buffer.numel, dtype=torch.float32, device=device) for n in _PARAM_STATE
+        }
+        for param, (start, _, _) in buffer.param_index_map.items():
+            owned = _owned(sub, param) if fill else None
+            if owned is not None:
+                span, tensors = owned
+                for name, tensor in tensors.items():
+                    flat[name][start + span.start : start + span.stop] = tensor.detach().view(-1)
+        if fill and sub.data_parallel_group.size() > 1:
+            for tensor in flat.values():
+                dist.all_reduce(tensor, group=sub.data_parallel_group)
+        for param, (start, end, _) in buffer.param_index_map.items():
+            sh = by_param[id(param)]
+            out[names[id(param)]] = {
+                name: _like(sh, f"optimizer.state.{name}.{sh.key}", t[start:end].view(param.shape))
+                for name, t in flat.items()
+            }
+    return out
+
+
+def _like(sh: Any, key: str, data: Tensor) -> Any:
+    """`sh` (a model ``ShardedTensor`` or factory) for another tensor of the same shape."""
+    if isinstance(sh, ShardedTensorFactory):
+        return dataclasses.replace(sh, key=key, data=data)
+    return dataclasses.replace(sh, key=key, data=data, dtype=data.dtype)
+
+
+def _optimizer_common(opt: MegatronOptState) -> dict[str, Any]:
+    """The optimizer's non-tensor state every rank shares: Adam's step (as megatron reads it
+    from torch's, TransformerEngine's or apex's Adam) and the fp16 grad scaler's state. The
+    sub-optimizers of megatron's chain (dense, expert-parallel) differ with the mesh, so the
+    first one's is saved and loaded into each."""
+    first = opt.optimizer.chained_optimizers[0].state_dict()
+    return {
+        "step": first["optimizer"]["param_groups"][0].get("step"),
+        "grad_scaler": first.get("grad_scaler"),
+    }
+
+
+def _load_optimizer(placement: MegatronPlacement, opt: MegatronOptState, loaded: dict) -> None:
+    """Copy this data rank's ranges of the loaded parameter state into the optimizer's tensors,
+    then its step and grad scaler through megatron's ``load_state_dict`` (of each
+    sub-optimizer's own state with those replaced, so its parameter groups match). That gives
+    every parameter of torch's Adam one shared ``step`` tensor, which the per-parameter update
+    would advance once per parameter: each parameter gets its own copy."""
+    names = {id(p): n for n, p in placement.module.named_parameters()}
+    with torch.no_grad():
+        for sub, buffer in _buffers(opt):
+            for param in buffer.param_index_map:
+                owned = _owned(sub, param)
+                if owned is None:
+                    continue
+                span, tensors = owned
+                saved = loaded["params"][names[id(param)]]
+                for name, tensor in tensors.items():
+                    tensor.view(-1).copy_(saved[name].reshape(-1)[span])
+    common = loaded["common"]
+    for sub in opt.optimizer.chained_optimizers:
+        state = sub.state_dict()
+        if common["step"] is not None:
+            for group in state["optimizer"]["param_groups"]:
+                group["step"] = common["step"]
+        if common["grad_scaler"] is not None:
+            state["grad_scaler"] = common["grad_scaler"]
+        sub.load_state_dict(state)
+        for slot in sub.optimizer.state.values():
+            if isinstance(slot.get("step"), Tensor):
+                slot["step"] = slot["step"].clone()
+
+
+def _rng_object(states: dict[str, Any] | None) -> ShardedObject:
+    """One shard per rank of a global object: this rank's RNG states."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return ShardedObject(_RNG_KEY, states, (world,), (rank,), replica_id=0)
+
+
+def _rng_states() -> dict[str, Any]:
+    states = {
+        "cpu": torch.get_rng_state(),
+        "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(states["tracker"]))

@@ -1,0 +1,479 @@
+"""LoRA on megatron-core's parallel linears (the megatron backend), exported as a peft adapter.
+
+`add_lora` puts a ``peft.LoraConfig`` into a megatron model's ``options["lora"]``; when the
+backend places the model (``tf.init``), `add_adapters` wraps the selected linears of each rank's
+``GPTModel`` stage in `LoraParallelLinear` and freezes every other parameter, after the base
+weights are loaded and before megatron's DDP and optimizer are built: the DDP grad buffers, the
+train state and the distributed optimizer hold the adapters only.
+
+Targets are named as on the HF model (peft's ``target_modules``, ``exclude_modules``,
+``layers_to_transform``; ``"all-linear"`` = every linear below, never the lm_head):
+
+=============================  ===============================  ==============================
+megatron linear                HF modules                        parallel layout
+=============================  ===============================  ==============================
+self_attention.linear_qkv      q_proj, k_proj, v_proj (fused)   column: B split like the base
+self_attention.linear_proj     o_proj                           row: A split like the base
+mlp.linear_fc1                 gate_proj, up_proj (fused)       column
+mlp.linear_fc2                 down_proj                        row
+=============================  ===============================  ==============================
+
+A fused linear gets one adapter: one ``A`` shared by its parts and one ``B`` laid out like the
+base weight (q/k/v rows interleaved per query group, ``[gate; up]`` per tp rank). A config that
+selects only some parts of a fused linear (``q_proj`` without ``k_proj``) is refused: the update
+of the unselected parts would have to be pinned at zero. The exported adapter gives each part
+its rows of ``B`` and a copy of ``A``, which is the same update, so peft applies it exactly.
+
+The HF / megatron naming and the fused layouts come from the bridge's rules and transforms
+(`twinkle_fn.backends.megatron.bridge`); parameter names are megatron's with ``base_layer``, ``lora_A``,
+``lora_B`` inserted (``decoder.layers.0.self_attention.linear_qkv.lora_A.weight``).
+
+Not supported (refused with an error naming the field): MoE experts and routers (on an MoE
+layer only the attention linears take adapters), DoRA, trained biases, ``modules_to_save``,
+per-module ``rank_pattern`` / ``alpha_pattern``, initialisations that rewrite the base weights.
+Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_cuda_rng_tracker,
+)
+from megatron.core.transformer.module import MegatronModule
+from peft import LoraConfig
+from peft.tuners.tuners_utils import check_target_module_exists
+from torch import Tensor
+
+from twinkle_fn import lora as base_lora
+from twinkle_fn.backends.megatron.bridge import MLP, O_PROJ, QKV, Rule, join_shards, moe_layers
+from twinkle_fn.backends.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
+from twinkle_fn.lora import PEFT_PREFIX
+from twinkle_fn.models.model import Model
+from twinkle_fn.state import TrainState
+
+# The linears that take adapters, in export order, with the bridge rule of their weight.
+LINEARS: dict[str, Rule] = {
+    "self_attention.linear_qkv": QKV,
+    "self_attention.linear_proj": O_PROJ,
+    "mlp.linear_fc1": MLP[0],
+    "mlp.linear_fc2": MLP[1],
+}
+ALL_LINEAR = "all-linear"
+# LoraConfig fields refused unless at their off value: why, and the off value.
+_UNSUPPORTED: dict[str, tuple[str, Any]] = {
+    "bias": ("trains the base layers' biases", "none"),
+    "lora_bias": ("trains a bias on lora_B", False),
+    "modules_to_save": ("trains whole copies of modules", None),
+    "trainable_token_indices": ("trains rows of the embedding", None),
+    "target_parameters": ("adapts raw parameters rather than linear layers", None),
+    "use_dora": ("(DoRA) trains a magnitude vector", False),
+    "rank_pattern": ("gives layers their own rank", {}),
+    "alpha_pattern": ("gives layers their own alpha", {}),
+    "layer_replication": ("duplicates layers", None),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraPlan:
+    """Which linears of the model carry adapters.
+
+    ``config``: a private copy of the ``LoraConfig`` (``"all-linear"`` resolved to the HF leaf
+    names it covers, as peft records it); ``layers``: per global layer index, the adapted
+    megatron linears (keys of `LINEARS`, in that order); layers without adapters are absent.
+    """
+
+    config: LoraConfig
+    layers: Mapping[int, tuple[str, ...]]
+
+
+def lora_config(config: LoraConfig | Mapping[str, Any]) -> LoraConfig:
+    """A private copy of `config`, checked to train low-rank adapters only.
+
+    Raises ``TypeError`` for something that is neither a ``LoraConfig`` nor a mapping of its
+    fields, and ``ValueError`` for a field this backend does not support (naming its off
+    value) or ``target_modules=None`` (peft's per-family default adapts q and v only, which
+    would split megatron's fused qkv).
+    """
+    config = base_lora.lora_config(config)
+    base_lora.check_adapters_only(config, _UNSUPPORTED, "the megatron backend's LoRA")
+    if config.target_modules is None:
+        raise ValueError(
+            "LoraConfig.target_modules is None (peft's per-family default); name the HF "
+            "modules to adapt, e.g. target_modules='all-linear' or ['q_proj', 'k_proj', "
+            "'v_proj', 'o_proj']"
+        )
+    return config
+
+
+def _hf_modules(rule: Rule, layer: int) -> tuple[str, ...]:
+    """The HF module names of `rule`'s tensors in global layer `layer`."""
+    return tuple(name.format(layer=layer).removesuffix(".weight") for name in rule.hf)
+
+
+def _layer_linears(hf_config: Any) -> list[tuple[str, ...]]:
+    """Per global layer, the keys of `LINEARS` it has (MoE layers: attention only)."""
+    return [
+        tuple(k for k in LINEARS if not (moe and k.startswith("mlp.")))
+        for moe in moe_layers(hf_config)
+    ]
+
+
+def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) -> LoraPlan:
+    """The adapters `config` asks for on the HF model `hf_module` (may be on the meta device).
+
+    Every module of `hf_module` that peft's matcher selects must be one of the linears of
+    `LINEARS`, and a fused linear's parts are selected all or none. Raises ``ValueError`` for
+    what `lora_config` refuses, targets that match nothing (naming the supported modules), a
+    selected module that is not one of those linears (the lm_head, an embedding, an MoE
+    expert or router...), or part of a fused linear (naming the missing parts).
+    """
+    config = lora_config(config)
+    hf_config = hf_module.config
+    per_layer = _layer_linears(hf_config)
+    supported = {
+        name
+        for layer, keys in enumerate(per_layer)
+        for key in keys
+        for name in _hf_modules(LINEARS[key], layer)
+    }
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        config.target_modules = {name.rsplit(".", 1)[1] for name in supported}
+    selected = {
+        n for n, _ in hf_module.named_modules() if n and check_target_module_exists(config, n)
+    }
+    others = sorted(selected - supported)
+    if others:
+        raise ValueError(
+            f"target_modules={config.target_modules!r} selects {others[:3]}, which the megatron "
+            "backend's LoRA cannot adapt: it adapts the attention and dense-MLP linears "
+            "(q/k/v/o_proj, gate/up/down_proj); leave the others out"
+        )
+    if not selected:
+        raise ValueError(
+            f"target_modules={config.target_modules!r} matches no linear layer of this model; "
+            f"adaptable: {sorted({n.rsplit('.', 1)[1] for n in supported})} or 'all-linear'"
+        )
+    layers: dict[int, tuple[str, ...]] = {}
+    for layer, keys in enumerate(per_layer):
+        chosen = []
+        for key in keys:
+            names = _hf_modules(LINEARS[key], layer)
+            missing = [n.rsplit(".", 1)[1] for n in names if n not in selected]
+            if len(missing) == len(names):
+                continue
+            if missing:
+                raise ValueError(
+                    f"target_modules={config.target_modules!r} selects part of "
+                    f"{[n.rsplit('.', 1)[1] for n in names]} in layer {layer}, which megatron "
+                    f"fuses into one {key.rsplit('.', 1)[1]} with one adapter; add {missing} "
+                    "(or use 'all-linear')"
+                )
+            chosen.append(key)
+        if chosen:
+            layers[layer] = tuple(chosen)
+    return LoraPlan(config, layers)
+
+
+def add_lora(
+    model: Model, config: LoraConfig | Mapping[str, Any], adapter_name: str = "default"
+) -> Model:
+    """`model` (megatron backend, not yet placed) set to train LoRA adapter `adapter_name` of
+    `config` only.
+
+    Checks `config` against the model (see `resolve`) and returns a copy of `model` whose
+    ``options["lora"]`` is a private copy of it (and ``options["lora_name"]`` the name);
+    ``tf.init`` then builds the adapters (see `add_adapters`). Building the model with
+    ``options={"lora": config}`` is the same, checked at ``tf.init``. Raises ``ValueError`` for
+    a model of another backend, one already placed or with a LoRA config (one adapter per
+    model), an empty name or one holding a ``.``, and as `resolve` does.
+    """
+    if model.backend != "megatron":
+        raise ValueError(
+            f"this model runs on the {model.backend!r} backend; use twinkle_fn.lora.add_lora"
+        )
+    if model.placement is not None:
+        raise ValueError(
+            "this model is already placed; add adapters before tf.init (add_lora on the model, "
+            "then tf.init(model, tx, mesh))"
+        )
+    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
+        raise ValueError(f"adapter_name must be a non-empty str without '.', got {adapter_name!r}")
+    if model.options.get("lora") is not None:
+        raise ValueError(
+            f"this model already has a LoRA config (adapter {adapter_names(model)}); the "
+            "megatron backend trains one adapter per model: build another model for another one"
+        )
+    resolve(config, model.module)
+    options = {**model.options, "lora": lora_config(config), "lora_name": adapter_name}
+    return dataclasses.replace(model, options=options)
+
+
+def adapter_names(model: Model) -> list[str]:
+    """The model's one adapter name (``options["lora_name"]``, default ``"default"``), or
+    none."""
+    if model.options.get("lora") is None:
+        return []
+    return [model.options.get("lora_name", "default")]
+
+
+def adapter_config(state: TrainState) -> LoraConfig:
+    """The resolved ``LoraConfig`` of the state's adapter. Raises ``ValueError`` for a state
+    without a megatron LoRA adapter."""
+    return _placement(state).lora.config
+
+
+class LoraParallelLinear(MegatronModule):
+    """``base(x) + scaling * B(A(dropout(x)))`` around a megatron column- or row-parallel linear.
+
+    Takes and returns what the base takes and returns (``(output, bias)``; input
+    ``[seq, batch, in]``, sequence-split under sequence parallelism). Column-parallel base
+    (output split over tp): ``lora_A`` ``[r, in]`` is replicated, ``lora_B`` a
+    ``ColumnParallelLinear`` ``[out / tp, r]`` split like the base, whose input all-reduce in
+    backward makes ``A``'s gradient whole on every rank. Row-parallel base (input split):
+    ``lora_A`` is a ``RowParallelLinear`` ``[r, in / tp]`` split like the base, whose output is
+    all-reduced (reduce-scattered over the sequence under sequence parallelism) before the
+    replicated ``lora_B`` ``[out, r]``. Under sequence parallelism the replicated factor sees
+    one sequence chunk per rank, so it is marked ``sequence_parallel`` and megatron sums its
+    gradient over tp. Dropout on a replicated input draws from the generator every tp rank
+    shares, on a split one from megatron's tensor-parallel stream.
+
+    Initialised as peft does, from a generator seeded with `seed` so that every mesh starts
+    from the same adapter: ``A`` kaiming-uniform (``init_lora_weights='gaussian'``: normal with
+    std ``1 / r``), ``B`` zero (``init_lora_weights=False``: kaiming-uniform like ``A``).
+    ``scaling`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
+    """
+
+    def __init__(self, base: torch.nn.Module, config: LoraConfig, *, rule: Rule, seed: int) -> None:
+        super().__init__(config=base.config)
+        self.base_layer = base
+        self.column = rule.tp_dim == 0
+        mc, r = base.config, config.r
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        out_local, in_local = base.weight.shape
+        size_in, size_out = (
+            (in_local, out_local * tp) if self.column else (in_local * tp, out_local)
+        )
+        self.scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
+        self.lora_dropout = (
+            torch.nn.Dropout(config.lora_dropout) if config.lora_dropout else torch.nn.Identity()
+        )
+        parallel = dict(
+            config=mc,
+            init_method=_filled_below,
+            bias=False,
+            skip_bias_add=True,
+            tp_group=getattr(base, "tp_group", None),
+        )
+        if self.column:
+            self.lora_A = _replicated(size_in, r, mc)
+            self.lora_B = ColumnParallelLinear(r, size_out, gather_output=False, **parallel)
+        else:
+            self.lora_A = RowParallelLinear(size_in, r, input_is_parallel=True, **parallel)
+            self.lora_B = _replicated(r, size_out, mc)
+        self._init_factors(config, rule, seed, tp)
+        for factor in (self.lora_A, self.lora_B):
+            factor.to(base.weight.device)
+
+    @torch.no_grad()
+    def _init_factors(self, config: LoraConfig, rule: Rule, seed: int, tp: int) -> None:
+        # Whole factors in the tp=1 layout, then this rank's part, so any tp gives one adapter.
+        gen = torch.Generator().manual_seed(seed)
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        r, size_in = self.lora_A.weight.shape[0], self.lora_A.weight.shape[1]
+        a = torch.empty(r, size_in * (1 if self.column else tp))
+        if config.init_lora_weights == "gaussian":
+            a.normal_(0.0, 1.0 / r, generator=gen)
+        else:
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        b = torch.zeros(self.lora_B.weight.shape[0] * (tp if self.column else 1), r)
+        if config.init_lora_weights is False:
+            torch.nn.init.kaiming_uniform_(b, a=math.sqrt(5), generator=gen)
+        if self.column:
+            b = _rows_of_rank(b, rule, rank, tp)
+        else:
+            a = tp_shard(a, 1, rank, tp)
+        self.lora_A.weight.copy_(a)
+        self.lora_B.weight.copy_(b)
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """The base's ``(output, bias)`` with the low-rank update added to the output."""
+        out, bias = self.base_layer(x, *args, **kwargs)
+        return out + self._update(x), bias
+
+    def _update(self, x: Tensor) -> Tensor:
+        split = not self.column or self.config.sequence_parallel  # x differs across tp ranks
+        rng = (
+            get_cuda_rng_tracker().fork()
+            if split and isinstance(self.lora_dropout, torch.nn.Dropout)
+            else contextlib.nullcontext()
+        )
+        with rng:
+            x = self.lora_dropout(x)
+        if self.column:
+            y, _ = self.lora_B(self.lora_A(x))
+        else:
+            h, _ = self.lora_A(x)
+            y = self.lora_B(h)
+        return y * self.scaling
+
+
+def _filled_below(weight: Tensor) -> None:
+    """Megatron's ``init_method`` for the adapter factors, which `_init_factors` fills."""
+
+
+def _replicated(size_in: int, size_out: int, mc: Any) -> torch.nn.Linear:
+    """A linear replicated over tp; its gradient is summed over tp under sequence parallelism."""
+    linear = torch.nn.Linear(size_in, size_out, bias=False, dtype=mc.params_dtype)
+    linear.weight.sequence_parallel = mc.sequence_parallel  # type: ignore[attr-defined]
+    return linear
+
+
+def _rows_of_rank(full: Tensor, rule: Rule, rank: int, tp: int) -> Tensor:
+    """Rank `rank`'s rows of a column-parallel tensor given in the tp=1 layout."""
+    if rule.transform == "gate_up":  # megatron fuses [gate; up] per rank, not over the whole
+        gate, up = split_gate_up(full)
+        return fuse_gate_up(tp_shard(gate, 0, rank, tp), tp_shard(up, 0, rank, tp))
+    return tp_shard(full, 0, rank, tp)
+
+
+def add_adapters(
+    gpt: torch.nn.Module, config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module
+) -> LoraPlan:
+    """Wrap the linears `config` selects in this rank's ``GPTModel`` stage; freeze the rest.
+
+    Call it after the base weights are loaded and before megatron's DDP and optimizer are
+    built. Every parameter but the adapters' gets ``requires_grad=False``. The adapter of
+    global layer ``l``'s ``k``-th linear of `LINEARS` is seeded with ``4 * l + k``. Under
+    activation recomputation the embedding's output is made to require grad, so that
+    megatron's checkpointed layers (which see no trainable input otherwise) backpropagate.
+    Returns the plan (`resolve` of `config` on the HF model `hf_module`). Raises
+    ``ValueError`` as `resolve` does, and when a pipeline stage would hold no adapter.
+    """
+    plan = resolve(config, hf_module)
+    _check_stages(plan, hf_module.config.num_hidden_layers)
+    for p in gpt.parameters():
+        p.requires_grad_(False)
+    for layer in gpt.decoder.layers:
+        index = layer.layer_number - 1
+        for key in plan.layers.get(index, ()):
+            owner, attr = key.split(".")
+            parent = getattr(layer, owner)
+            seed = len(LINEARS) * index + list(LINEARS).index(key)
+            wrapped = LoraParallelLinear(
+                getattr(parent, attr), plan.config, rule=LINEARS[key], seed=seed
+            )
+            setattr(parent, attr, wrapped)
+    if gpt.pre_process and gpt.config.recompute_granularity is not None:
+        gpt.embedding.register_forward_hook(_require_grad)
+    return plan
+
+
+def _require_grad(module: torch.nn.Module, args: Any, output: Tensor) -> None:
+    if not output.requires_grad:
+        output.requires_grad_(True)
+
+
+def _check_stages(plan: LoraPlan, num_layers: int) -> None:
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    per_stage = num_layers // pp
+    for stage in range(pp):
+        if not any(stage * per_stage <= layer < (stage + 1) * per_stage for layer in plan.layers):
+            raise ValueError(
+                f"pipeline stage {stage} (layers {stage * per_stage}..{(stage + 1) * per_stage - 1}"
+                f") has no adapter under target_modules={plan.config.target_modules!r} and "
+                f"layers_to_transform={plan.config.layers_to_transform!r}; every stage needs "
+                "one: widen the targets or use a smaller pp"
+            )
+
+
+def _placement(state: TrainState) -> Any:
+    # The state's MegatronPlacement (typed loosely: the placement module imports this one).
+    state.check_alive()
+    placement = state.model.placement
+    if getattr(placement, "lora", None) is None:
+        raise ValueError(
+            "this state has no megatron LoRA adapter; build the model with backend='megatron' "
+            "and twinkle_fn.lora.add_lora(model, config) before tf.init"
+        )
+    return placement
+
+
+def adapter_state_dict(state: TrainState) -> dict[str, Tensor]:
+    """The state's adapter as whole tensors keyed as in a peft adapter file (a collective).
+
+    Keys are ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` etc.; values
+    ``[r, in]`` / ``[out, r]`` CPU tensors in the model's parameter dtype, gathered from every
+    tp and pp rank on every rank. A fused linear's ``B`` is split into its parts by the
+    bridge's transforms, each part getting a copy of the shared ``A``. Raises ``ValueError``
+    for a state without a megatron LoRA adapter and ``DonatedError`` for a donated state.
+    """
+    placement = _placement(state)
+    mesh, rank = placement.mesh, dist.get_rank()
+    coords = mesh.coords(rank)
+    sends = mesh.data_rank(rank) == 0 and coords["cp"] == 0
+    local = {
+        n: p.detach().cpu()
+        for n, p in placement.module.named_parameters()
+        if sends and p.requires_grad
+    }
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ((coords["tp"], coords["pp"]), local))
+    shards = {key: part for key, part in gathered if part}
+    return dict(_peft_tensors(placement.lora, shards, placement.hf_config, mesh.tp, mesh.pp))
+
+
+def _peft_tensors(
+    plan: LoraPlan,
+    shards: Mapping[tuple[int, int], Mapping[str, Tensor]],
+    hf_config: Any,
+    tp: int,
+    pp: int,
+) -> Iterator[tuple[str, Tensor]]:
+    per_stage = hf_config.num_hidden_layers // pp
+    for layer, keys in sorted(plan.layers.items()):
+        stage, local = divmod(layer, per_stage)
+        for key in keys:
+            rule = LINEARS[key]
+            prefix = f"decoder.layers.{local}.{key}."
+            a, b = (
+                [shards[t, stage][prefix + f"lora_{f}.weight"] for t in range(tp)] for f in "AB"
+            )
+            modules = _hf_modules(rule, layer)
+            names_a = [f"{m}.lora_A.weight" for m in modules]
+            names_b = [f"{m}.lora_B.weight" for m in modules]
+            if rule.tp_dim == 0:  # column: A replicated, B split like the base weight
+                pairs = [*((n, a[0]) for n in names_a), *join_shards(rule, names_b, b, hf_config)]
+            else:  # row: A split like the base weight, B replicated
+                pairs = [*join_shards(rule, names_a, a, hf_config), (names_b[0], b[0])]
+            for name, tensor in pairs:
+                # Own storage for each: the q/k/v parts are views, A is shared by them.
+                yield PEFT_PREFIX + name, tensor.clone()
+
+
+def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:
+    """Write the state's adapter as a peft adapter directory at `path`; returns the path.
+
+    The layout of `twinkle_fn.backends.transformers.lora.save_adapter` (``adapter_config.json`` with the resolved
+    config, task ``CAUSAL_LM``; ``adapter_model.safetensors``), for
+    ``peft.PeftModel.from_pretrained(hf_model, path)``. Every rank must call it (the adapter is
+    gathered); rank 0 writes a temporary sibling directory and renames it into place,
+    replacing an older one only once the new one is complete. Raises ``ValueError`` for a
+    state without a megatron LoRA adapter, and ``RuntimeError`` on every rank when rank 0
+    fails to write (its error in the message).
+    """
+    placement = _placement(state)
+    config, hf_config = placement.lora.config, placement.hf_config
+    return base_lora.write_adapter(config, hf_config, adapter_state_dict(state), path)

@@ -1,0 +1,104 @@
+"""Build megatron-core's ``GPTModel`` for an HF config on this rank's pipeline stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from twinkle_fn.backends.megatron.bridge_transforms import padded_vocab_size
+from twinkle_fn.backends.megatron.config import transformer_config
+from twinkle_fn.backends.megatron.spec import decoder_spec
+from twinkle_fn.mesh import Mesh
+
+# Rope types whose HF inverse frequencies are the whole story (no attention scaling, no
+# sequence-length-dependent update): megatron's rotary module takes them as they are.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_settings(hf_config: PretrainedConfig) -> tuple[float, str]:
+    """``(rope_theta, rope_type)`` of `hf_config` (transformers 5 ``rope_parameters`` or 4.x)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        return float(getattr(hf_config, "rope_theta", 10000.0)), kind
+    return float(params["rope_theta"]), params.get("rope_type", "default")
+
+
+def _check_mesh_matches_megatron(mesh: Mesh) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "megatron-core's parallel state is not initialized; call "
+            "twinkle_fn.backends.megatron.parallel.initialize(mesh) before building a model"
+        )
+    live = dict(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+    for axis, size in live.items():
+        if getattr(mesh, axis) != size:
+            raise ValueError(
+                f"mesh {axis}={getattr(mesh, axis)} but megatron-core was initialized with "
+                f"{axis}={size}; build the model with the mesh passed to initialize()"
+            )
+
+
+def build_gpt_model(
+    hf_config: PretrainedConfig,
+    mesh: Mesh,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    use_te: bool | None = None,
+    vocab_multiple: int = 128,
+    **overrides: Any,
+) -> GPTModel:
+    """This rank's ``GPTModel`` stage for `hf_config` (randomly initialised, CPU-initialised).
+
+    `pre_process` / `post_process` (embedding / output layer on this stage) default to whether
+    this is megatron's first / last pipeline stage. Rotary embeddings follow the HF config
+    (``rope_theta``; ``linear`` and ``llama3`` scaling use HF's own inverse frequencies); the
+    vocabulary is padded to a multiple of ``vocab_multiple * tp``; embeddings are tied iff
+    ``tie_word_embeddings``. `use_te` picks the layer spec (see `spec.layer_spec`); `overrides`
+    (``params_dtype``, ``bf16``, any ``TransformerConfig`` field) go to `transformer_config`.
+    The model is moved to the current CUDA device when there is one. Logits are
+    ``[batch, seq, padded_vocab]`` (vocab split over tp).
+
+    Raises ``RuntimeError`` if megatron-core's parallel state is not initialized, and
+    ``ValueError`` if `mesh` differs from it, for an unsupported rope type, or as
+    `transformer_config` does.
+    """
+    _check_mesh_matches_megatron(mesh)
+    config = transformer_config(hf_config, mesh, **overrides)
+    theta, rope_type = rope_settings(hf_config)
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope_type!r} is not supported; use one of {', '.join(_STATIC_ROPE_TYPES)}"
+        )
+    first = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
+    last = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_spec(config, use_te),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp, vocab_multiple),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=theta,
+    )
+    if rope_type != "default":
+        inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        model.rotary_pos_emb.inv_freq = inv_freq.float()
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

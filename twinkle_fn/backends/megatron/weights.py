@@ -1,0 +1,68 @@
+"""A megatron train state's parameters as whole HF tensors, and waiting for the parameter
+gathers a step left in flight before they are read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from twinkle_fn.backends.megatron import lora, param_sync
+from twinkle_fn.backends.megatron.bridge import mcore_to_hf
+from twinkle_fn.backends.megatron.placement import model_placement
+from twinkle_fn.models.model import Model
+from twinkle_fn.state import TrainState
+
+
+def settle(model: Model) -> None:
+    """Wait for the parameter all-gathers a `step` left in flight (``overlap_param_gather``),
+    so that the parameters can be read or written outside a forward. Raises ``ValueError``
+    for a model not prepared by the megatron backend."""
+    placement = model_placement(model)
+    if placement.overlap_param_gather:
+        param_sync.finish(placement.chunks)
+
+
+def full_weights(state: TrainState) -> dict[str, Tensor]:
+    """Every parameter as a whole HF tensor, by HF checkpoint name (a collective).
+
+    Gathers one copy of each tp / pp / ep shard on every rank and joins them with the bridge's
+    `mcore_to_hf` (MoE experts come out one tensor per expert). CPU tensors in the model's
+    parameter dtype. A model that trains LoRA adapters gives the adapters, keyed as in a peft
+    adapter file (`twinkle_fn.backends.megatron.lora.adapter_state_dict`).
+    """
+    placement = model_placement(state.model)
+    settle(state.model)
+    if placement.lora is not None:
+        return lora.adapter_state_dict(state)
+    mesh, rank = placement.mesh, dist.get_rank()
+    coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
+    sends_dense = mesh.data_rank(rank) == 0 and coords["cp"] == 0
+    sends_expert = expert["edp"] == 0
+    local = {
+        n: p.detach().cpu()
+        for n, p in placement.module.named_parameters()
+        if (sends_expert if is_expert(p) else sends_dense)
+    }
+    key = (coords["tp"], coords["pp"], expert["ep"], expert["etp"])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (key, sends_dense, local))
+    dense = {k[:2]: part for k, is_dense, part in gathered if is_dense}
+    states = {k: {**dense[k[:2]], **part} for k, _, part in gathered if part}
+    return dict(
+        mcore_to_hf(
+            states,
+            placement.hf_config,
+            tp_size=mesh.tp,
+            pp_size=mesh.pp,
+            ep_size=mesh.ep,
+            etp_size=mesh.etp,
+            vocab_multiple=placement.vocab_multiple,
+        )
+    )
+
+
+def is_expert(param: Tensor) -> bool:
+    """Whether `param` is expert-parallel (megatron marks those with ``allreduce=False``)."""
+    return not getattr(param, "allreduce", True)

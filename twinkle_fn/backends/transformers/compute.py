@@ -1,0 +1,232 @@
+"""The transformers backend's forward/backward on one process.
+
+The module computes with the state's own parameter tensors: `bind` points the module at them (a
+pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The loss is
+the fused linear + cross-entropy of the model's `FusedLMHead`, so full ``[tokens, vocab]`` logits
+are never built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
+
+from twinkle_fn.backends.transformers import attention
+from twinkle_fn.backends.transformers.lm_head import loss_mode
+from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.data.packing import packed_attention_mask
+from twinkle_fn.losses import LossOutput, supervised_rows
+from twinkle_fn.models.model import Model
+from twinkle_fn.state import LCG_INC, Grads, TrainState
+from twinkle_fn.varlen_attention import block_causal_mask
+
+
+def bind(module: torch.nn.Module, params: Mapping[str, torch.Tensor], sharded: bool) -> None:
+    """Make `module`'s parameters named in `params` be exactly those tensor objects.
+
+    A `sharded` module (FSDP2/DTensor) swaps its registered parameters in its own hooks and is
+    always the owner of the state's tensors (copying a sharded state is refused), so it is left
+    alone. Raises ``KeyError`` naming a parameter the module does not have.
+    """
+    if sharded:
+        return
+    for name, tensor in params.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if leaf not in owner._parameters:
+            raise KeyError(f"the module has no parameter {name!r}")
+        if owner._parameters[leaf] is not tensor:
+            owner._parameters[leaf] = tensor
+
+
+def cast_residual_stream(module: torch.nn.Module) -> None:
+    """Under autocast, make the input embedding return the autocast dtype (idempotent).
+
+    Autocast casts matmul inputs but leaves elementwise ops alone, so float32 master weights
+    would make the residual stream, and with it every norm, rotary and residual add and the
+    activations saved for them, float32. FSDP2's mixed precision runs those in bf16 already
+    (it casts the parameters); this gives one process the same numerics and the halved bytes.
+    Outside autocast the embedding is untouched.
+    """
+    embedding = module.get_input_embeddings()
+    if getattr(embedding, "_twinkle_casts_output", False):
+        return
+    embedding.register_forward_hook(_to_autocast_dtype)
+    embedding._twinkle_casts_output = True
+
+
+def _to_autocast_dtype(
+    _module: torch.nn.Module, _args: tuple[object, ...], out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` ``[batch, seq, hidden]`` in the autocast dtype when autocast is on."""
+    kind = out.device.type
+    if torch.is_autocast_enabled(kind) and out.is_floating_point():
+        return out.to(torch.get_autocast_dtype(kind))
+    return out
+
+
+# Families whose decoder takes its attention masks ready-made, as ``{layer type: mask}``.
+MASK_MAPPING_FAMILIES = frozenset({"qwen2", "qwen3"})
+
+
+def model_inputs(
+    batch: Mapping[str, torch.Tensor],
+    device: torch.device,
+    config: PretrainedConfig | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of a transformers decoder for a padded or packed `batch`.
+
+    Padded batches pass their ``attention_mask [B, T]`` and ``position_ids [B, T]``. When both
+    are on the host and say nothing beyond causal attention (no padding, each row's positions
+    ``0 .. T-1``), neither is passed: the decoder's defaults give the same result, and
+    transformers would otherwise inspect them on the device (for padding, or for packed
+    sequences), a host sync in every forward that lets the GPU run dry while the host catches
+    up. Without them transformers still inspects the positions it makes itself; a decoder of
+    `MASK_MAPPING_FAMILIES` (by `config`) with full attention in every layer is handed its
+    masks instead, ``{"full_attention": None}`` (SDPA's own causal mask), which skips that.
+    A packed row (with ``cu_seqlens``) for a decoder on `attention.NAME` passes its
+    boundaries (`attention.packed_kwargs`), so its attention runs a varlen kernel, and a
+    mask transformers need not build (the mapping above, or one made on the device from the
+    boundaries, which the varlen kernel does not read). Other packed batches get a
+    block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not
+    isolate packed samples from ``position_ids`` alone.
+    """
+    ids = batch["input_ids"].to(device, non_blocking=True)  # [B, T]
+    kwargs: dict[str, Any] = {"input_ids": ids}
+    if "cu_seqlens" not in batch and _plainly_causal(batch, ids.shape[-1]):
+        if config is not None and _takes_causal_mapping(config):
+            kwargs["attention_mask"] = {"full_attention": None}
+        return kwargs
+    if "position_ids" in batch:
+        kwargs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    if "cu_seqlens" in batch and _takes_packed_kwargs(config, ids):
+        kwargs.update(attention.packed_kwargs(batch["cu_seqlens"], _max_seqlen(batch), device))
+        causal_mapping = _takes_causal_mapping(config)
+        # The varlen path reads no mask; a tensor (or a mapping) stops transformers building one.
+        kwargs["attention_mask"] = (
+            {"full_attention": None}
+            if causal_mapping
+            else block_causal_mask(kwargs["cu_seq_lens_q"], ids.shape[-1])
+        )
+    elif "cu_seqlens" in batch:
+        mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
+        kwargs["attention_mask"] = mask.to(device, non_blocking=True)
+    elif "attention_mask" in batch:
+        kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    return kwargs
+
+
+def _takes_packed_kwargs(config: PretrainedConfig | None, ids: torch.Tensor) -> bool:
+    """Whether a packed row goes to `attention`'s varlen path: the decoder runs
+    `attention.NAME` and the batch is one row."""
+    impl = None if config is None else config._attn_implementation
+    return impl == attention.NAME and ids.shape[0] == 1
+
+
+def _max_seqlen(batch: Mapping[str, Any]) -> int | None:
+    """The batch's ``max_seqlen`` as a host int (`twinkle_fn.data.pack` adds it), else None."""
+    value = batch.get("max_seqlen")
+    if isinstance(value, torch.Tensor):
+        return int(value) if value.device.type == "cpu" else None
+    return value
+
+
+def _takes_causal_mapping(config: PretrainedConfig) -> bool:
+    """Whether `config`'s decoder takes ``{"full_attention": None}`` as all its masks."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    full = set(layer_types) == {"full_attention"}
+    return config.model_type in MASK_MAPPING_FAMILIES and full
+
+
+def _plainly_causal(batch: Mapping[str, torch.Tensor], seq: int) -> bool:
+    """Whether `batch`'s mask and positions are on the host (free to read) and add nothing to
+    causal attention over positions ``0 .. seq-1``."""
+    mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+    on_host = all(t is None or t.device.type == "cpu" for t in (mask, positions))
+    if not on_host:
+        return False
+    no_padding = mask is None or bool(mask.all())
+    return no_padding and (positions is None or bool((positions == torch.arange(seq)).all()))
+
+
+def autocast(model: Model) -> contextlib.AbstractContextManager[object]:
+    """Autocast to the model's compute dtype on its device (nothing for float32)."""
+    if model.compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(model.device.type, dtype=model.compute_dtype)
+
+
+def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
+    """Token-summed causal-LM loss of `batch` under `state` (differentiable w.r.t. its params).
+
+    Runs the module's own forward with its `FusedLMHead` in loss mode, so the head returns the
+    CE sum instead of logits. The supervised tokens are found before the forward is queued: free
+    for CPU labels, and for device labels the one sync lands where the device has no work queued
+    behind it rather than mid-step.
+    """
+    model = state.model
+    module = model.module
+    bind(module, state.params, sharded=model.placement is not None)
+    device = model.device
+    rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
+    labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
+    with autocast(model), loss_mode(module.get_output_embeddings(), labels, rows):
+        inputs = model_inputs(batch, device, module.config)
+        loss_sum = module(**inputs, use_cache=False).logits
+    return LossOutput(loss_sum, (labels != IGNORE_INDEX).sum())
+
+
+def fwd_bwd(
+    state: TrainState, batch: Mapping[str, torch.Tensor], accum: Grads | None
+) -> tuple[Grads, dict[str, torch.Tensor]]:
+    """Gradients of the token-summed loss of `batch`, added into `accum`'s buffers if given.
+
+    `accum` is consumed (its buffers become the result's); the caller handles donation. Returns
+    the new `Grads` and ``{"loss_sum", "num_tokens"}`` of this micro-batch alone.
+    """
+    params = state.params
+    micro_index = 0 if accum is None else accum.num_micro_batches
+    for name, p in params.items():
+        p.grad = None if accum is None else accum.params[name]
+    try:
+        with _seeded(state.rng, micro_index, state.model.device):
+            out = loss_of(state, batch)
+        ls = state.loss_scale  # float16: scale up so small gradients do not underflow
+        (out.loss_sum if ls is None else out.loss_sum * float(ls.scale)).backward()
+        grads = {n: _grad_like(p) for n, p in params.items()}
+    finally:
+        for p in params.values():
+            p.grad = None
+    loss_sum = out.loss_sum.detach()
+    num_tokens = out.num_tokens.detach()
+    if accum is not None:
+        loss_sum = accum.loss_sum + loss_sum
+        num_tokens = accum.num_tokens + num_tokens
+    new = Grads(grads, loss_sum, num_tokens, num_micro_batches=micro_index + 1)
+    return new, {"loss_sum": out.loss_sum.detach(), "num_tokens": out.num_tokens.detach()}
+
+
+def _grad_like(p: torch.Tensor) -> torch.Tensor:
+    """`p`'s gradient, placed like `p`: zeros when unused, and a sequence-parallel norm's
+    partial sums (each rank saw its slice of the sequence) reduced to the replicated total."""
+    g = p.grad
+    if g is None:
+        return torch.zeros_like(p)
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
+@contextlib.contextmanager
+def _seeded(rng: torch.Tensor, micro_index: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's generators from the state's key and the micro-batch index, then restore them."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        seed = (int(rng) + micro_index * LCG_INC) % (1 << 63)
+        torch.manual_seed(seed)
+        yield

@@ -1,0 +1,246 @@
+"""Placing a transformers model on a mesh with PyTorch's own primitives.
+
+Tensor parallelism is DTensor's ``parallelize_module`` with the family's plan
+(`twinkle_fn.backends.transformers.plans`); data parallelism is FSDP2's ``fully_shard`` per decoder layer and at
+the root:
+
+- ``fsdp`` alone shards parameters, gradients and optimizer state, and reshards each layer's
+  parameters after its forward (gathered again for its backward);
+- ``dp`` alone shards gradients and optimizer state over the data ranks, as megatron's
+  distributed optimizer does: parameters are gathered once per step and kept whole from forward
+  through backward (ZeRO-2). Against replicated DDP this reduce-scatters gradients and gathers
+  parameters instead of all-reducing gradients (fewer bytes over the wire) and steps the
+  optimizer on 1/dp of the parameters; the sums are the same;
+- both: shards over ``fsdp`` as above, replicated over ``dp`` (HSDP: parameter all-gathers stay
+  within an fsdp group).
+
+Gradients are reduced as *sums* (divide factor 1): the core normalises once by the global token
+count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from twinkle_fn.backends import compile_layers as layer_compiler
+from twinkle_fn.backends.transformers.plans import (
+    COLWISE,
+    SEQUENCE_PARALLEL_LAYER,
+    SEQUENCE_PARALLEL_ROOT,
+    tp_plan,
+    with_lora,
+)
+from twinkle_fn.distributed import world_size
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.model import Model
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+    """Where a model lives: the torch device mesh and the data-parallel process group."""
+
+    mesh: Mesh
+    device_mesh: DeviceMesh
+    dp_group: dist.ProcessGroup | None  # all ranks holding different data (dp x fsdp)
+
+
+def device_mesh(mesh: Mesh) -> DeviceMesh:
+    """The torch ``DeviceMesh`` of `mesh` with dims ``("dp", "fsdp", "tp")`` in our rank order.
+
+    Raises ``ValueError`` for pp, cp or ep > 1 (those belong to the Megatron backend) and when
+    the mesh does not match the world.
+    """
+    if mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
+        raise ValueError(
+            f"the fsdp backend parallelises over dp, fsdp and tp; {mesh} asks for pp/cp/ep, "
+            "which the megatron backend provides"
+        )
+    mesh.validate(world_size())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(
+        device, (mesh.dp, mesh.fsdp, mesh.tp), mesh_dim_names=("dp", "fsdp", "tp")
+    )
+
+
+def parallelize(model: Model, mesh: Mesh) -> Model:
+    """Shard `model`'s module in place over `mesh`; returns the model with its placement.
+
+    Its parameters become DTensors (new parameter objects: read them from the module again).
+    Raises ``ValueError``
+    when tp does not divide the model's heads or features, or for meshes the backend lacks.
+    """
+    module = model.module
+    dm = device_mesh(mesh)
+    layers = module.get_decoder().layers
+    if mesh.tp > 1:
+        plan = tp_plan(module.config, mesh.tp)
+        sp = mesh.sequence_parallel
+        if sp:
+            _check_sequence_parallel(model)
+            parallelize_module(module, dm["tp"], _sp_styles(SEQUENCE_PARALLEL_ROOT))
+        for layer in layers:
+            layer_plan = with_lora(plan, (n for n, _ in layer.named_modules()))
+            styles = {s: _tp_style(v, sp) for s, v in layer_plan.items()}
+            if sp:
+                styles.update(_sp_styles(SEQUENCE_PARALLEL_LAYER))
+            parallelize_module(layer, dm["tp"], styles)
+    compile_layers(model)
+    if mesh.data_world_size > 1:
+        data_mesh = _data_mesh(dm, mesh)
+        mp = _mixed_precision(model.compute_dtype)
+        for i, layer in enumerate(layers):
+            # The last layer's backward runs right after the forward: keep it unsharded. dp alone
+            # keeps every layer whole until its backward (ZeRO-2).
+            last = i == len(layers) - 1
+            reshard = mesh.fsdp > 1 and not last
+            fully_shard(layer, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(module, mesh=data_mesh, mp_policy=mp)
+        _prefetch(module, list(layers))
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy with SUM.
+                m.set_force_sum_reduction_for_comms(True)
+    placement = Placement(mesh, dm, _dp_group(mesh))
+    return dataclasses.replace(model, placement=placement)
+
+
+def _data_mesh(dm: DeviceMesh, mesh: Mesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D over fsdp, or over dp when it is the only data axis;
+    2-D (replicate over dp, shard over fsdp) when both are > 1."""
+    if mesh.fsdp == 1:
+        return dm["dp"]
+    return dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
+
+
+def _prefetch(root: FSDPModule, layers: list[FSDPModule]) -> None:
+    """Issue each layer's all-gather from the CPU one layer early, in forward and in backward.
+
+    FSDP2's implicit prefetch issues a layer's all-gather when the CPU reaches that layer, which
+    overlaps with compute only while the CPU runs ahead of the GPU; after a host sync (the fused
+    loss counts its supervised tokens) or a slow optimizer dispatch it does not, and every
+    all-gather waits exposed. Explicit prefetch issues it during the previous layer.
+    """
+    if layers:
+        root.set_modules_to_forward_prefetch([layers[0]])
+    for prev, nxt in itertools.pairwise(layers):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+
+
+def compile_layers(model: Model) -> None:
+    """Apply the model option ``compile_layers`` to its decoder layers (see
+    `twinkle_fn.backends.compile_layers`). Raises ``TypeError`` for a bad value."""
+    setting = model.options.get("compile_layers", False)
+    layer_compiler.compile_layers(model.module.get_decoder().layers, setting)
+
+
+def _tp_style(style: str, sequence_parallel: bool) -> ParallelStyle:
+    if style == COLWISE:
+        return ColwiseParallel()
+    if sequence_parallel:  # reduce-scatter the output back to sequence shards
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return RowwiseParallel()
+
+
+def _sp_styles(plan: dict[str, str]) -> dict[str, ParallelStyle]:
+    whole, shard = (Replicate(),), (Shard(1),)
+    styles: dict[str, ParallelStyle] = {}
+    for name, kind in plan.items():
+        if kind == "norm":
+            styles[name] = SequenceParallel()
+        elif kind == "scatter":
+            styles[name] = PrepareModuleOutput(
+                output_layouts=whole, desired_output_layouts=shard, use_local_output=False
+            )
+        else:  # "gather": HF passes hidden states by keyword to attention, by position to the rest
+            styles[name] = PrepareModuleInput(
+                input_layouts=shard if name != "self_attn" else None,
+                desired_input_layouts=whole if name != "self_attn" else None,
+                input_kwarg_layouts={"hidden_states": Shard(1)} if name == "self_attn" else None,
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}
+                if name == "self_attn"
+                else None,
+                use_local_output=True,
+            )
+    return styles
+
+
+def _check_sequence_parallel(model: Model) -> None:
+    if model.family == "qwen3_moe":
+        raise ValueError(
+            "sequence_parallel with a MoE model needs the megatron backend; use tp without it here"
+        )
+    if any("lora_" in n for n, _ in model.module.named_parameters()):
+        raise ValueError("sequence_parallel with LoRA adapters is not supported; drop one of them")
+
+
+def all_reduce_dp(t: torch.Tensor, placement: Placement | None) -> torch.Tensor:
+    """Sum `t` over the data-parallel ranks (a new tensor; `t` itself on one data rank)."""
+    if placement is None or placement.dp_group is None:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, group=placement.dp_group)
+    return t
+
+
+@torch.no_grad()
+def copy_into_shard(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Fill `dst` (a shard, or a whole tensor) with its part of the whole tensor `full`.
+
+    Each rank cuts its own piece from its copy of `full` (no communication).
+    """
+    if not isinstance(dst, DTensor):
+        dst.copy_(full)
+        return
+    src = distribute_tensor(
+        full.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None
+    )
+    dst.to_local().copy_(src.to_local())
+
+
+@torch.no_grad()
+def unshard(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors from sharded ones (``full_tensor``, a collective every rank must call)."""
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in params.items()}
+
+
+def reshard(model: Model) -> None:
+    """Free the gathered parameters a forward without backward left behind (FSDP2 keeps the
+    root's parameters gathered after forward, expecting a backward to use them)."""
+    if isinstance(model.module, FSDPModule):
+        model.module.reshard()
+
+
+def _dp_group(mesh: Mesh) -> dist.ProcessGroup | None:
+    if mesh.data_world_size == 1:
+        return None
+    mine = None
+    # new_group is collective over the world: every rank creates every group, in the same order.
+    for ranks in mesh.group_ranks("dp_total"):
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _mixed_precision(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

@@ -1,0 +1,50 @@
+"""Per-token log-probabilities on the transformers backend: a plain forward whose lm_head
+returns logits (no loss mode), for rollouts' old and reference log-probs and evaluation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+
+from twinkle_fn.backends.transformers.compute import autocast, bind, model_inputs
+from twinkle_fn.backends.transformers.lora import adapters_off
+from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.losses import token_logps as logps_of_logits
+from twinkle_fn.state import TrainState
+
+
+def token_logps(
+    state: TrainState,
+    batch: Mapping[str, torch.Tensor],
+    temperature: float,
+    disable_lora: bool,
+    return_logits: bool,
+) -> dict[str, torch.Tensor]:
+    """``logps`` ``[B, T]`` of `batch`'s labels under ``softmax(logits / temperature)``, 0
+    where the label is -100; ``loss_sum`` (the cross entropy at temperature 1, summed) and
+    ``num_tokens``; ``logits`` ``[B, T, V]`` (divided by `temperature`) when asked.
+
+    `disable_lora` computes with the base weights only. No gradient is taken; the caller
+    releases what FSDP2 gathered for the forward.
+    """
+    model = state.model
+    bind(model.module, state.params, sharded=model.placement is not None)
+    device = model.device
+    labels = batch["labels"].to(device)  # [B, T], already shifted
+    off = adapters_off(model.module) if disable_lora else contextlib.nullcontext()
+    with torch.no_grad(), autocast(model), off:
+        inputs = model_inputs(batch, device, model.config)
+        logits = model.module(**inputs, use_cache=False).logits  # [B, T, V]
+    out = {"num_tokens": (labels != IGNORE_INDEX).sum()}
+    if temperature == 1.0:
+        out["logps"] = logps_of_logits(logits, labels)
+        out["loss_sum"] = -out["logps"].sum()
+    else:
+        out["loss_sum"] = -logps_of_logits(logits, labels).sum()
+        logits = logits / temperature
+        out["logps"] = logps_of_logits(logits, labels)
+    if return_logits:
+        out["logits"] = logits
+    return out

@@ -1,0 +1,338 @@
+"""LoRA: only adapters train, one process and gloo meshes agree, and the export loads in peft."""
+
+import os
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+import twinkle_fn as tf
+from twinkle_fn import lora
+from twinkle_fn.backends.transformers.lm_head import FusedLMHead
+from twinkle_fn.backends.transformers.lora import adapters_of
+from twinkle_fn.backends.transformers.plans import local_specs, param_specs
+from twinkle_fn.data import pack
+from twinkle_fn.distributed import rank
+from twinkle_fn.testing import random_features, tiny_config
+from twinkle_fn.testing_dist import spawn
+
+CFG = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+NUM_LINEARS = 2 * 7  # 2 layers x (q, k, v, o, gate, up, down); the lm_head is left out
+STEPS = 3
+MESHES = {"one": {}, "fsdp2": {"fsdp": 2}, "dp2": {"dp": 2}, "tp2": {"tp": 2}}
+
+
+def _model():
+    model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, device="cpu")
+    model.module.to(torch.float64)
+    return model
+
+
+def _ids():
+    return torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+@torch.no_grad()
+def _logits(module):
+    return module(input_ids=_ids()).logits  # [2, 9, vocab]
+
+
+def _whole(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
+def _error(fn, *args):
+    try:
+        fn(*args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _train(mesh_sizes, adapter_dir):
+    """STEPS LoRA steps on this rank's slice of each global batch, then save the adapter."""
+    mesh = tf.Mesh(**mesh_sizes)
+    model = lora.add_lora(_model(), CFG)
+    base = {
+        n: p.detach().clone() for n, p in model.module.named_parameters() if not p.requires_grad
+    }
+    state = tf.init(model, tf.optim.adamw(1e-2), mesh)
+    module = state.model.module
+    losses, frozen_grads = [], []
+    for i in range(STEPS):
+        feats = random_features(8, seed=100 + i)
+        mine = feats[mesh.get_slice(len(feats), rank())] if mesh.world_size > 1 else feats
+        grads, _ = tf.fwd_bwd(state, pack(mine))
+        frozen_grads += [n for n, p in module.named_parameters() if p.grad is not None]
+        state, info = tf.step(state, grads)
+        losses.append(float(info["loss"]))
+    adapters = tf.unshard(state)
+    base_after = {n: _whole(p) for n, p in module.named_parameters() if not p.requires_grad}
+    # What each rank holds, base weights included, is what the family plan predicts.
+    whole = {**base, **adapters}
+    specs = param_specs(whole, model.config, mesh)
+    coords = mesh.coords(rank())
+    unpredicted = [
+        n
+        for n, p in module.named_parameters()
+        if isinstance(p, DTensor)
+        and not torch.equal(p.to_local(), local_specs(whole[n], specs[n], coords, mesh))
+    ]
+    lora.save_adapter(state, adapter_dir)
+    return {
+        "losses": losses,
+        "adapters": adapters,
+        "frozen_grads": frozen_grads,
+        "base_unchanged": base_after.keys() == base.keys()
+        and all(torch.equal(base_after[n], base[n]) for n in base),
+        "unpredicted": unpredicted,
+        "sharded": sum(isinstance(p, DTensor) for p in module.parameters()),
+        "logits": _logits(module),
+        "adapter_dir": adapter_dir,
+        "add_again": _error(lora.add_lora, state.model, CFG),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per mesh name, each rank's `_train` result (computed once, on first use)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            adapter_dir = str(tmp_path_factory.mktemp(name) / "adapter")
+            sizes = MESHES[name]
+            world = tf.Mesh(**sizes).world_size
+            cache[name] = (
+                [_train(sizes, adapter_dir)]
+                if world == 1
+                else spawn(_train, world, sizes, adapter_dir)
+            )
+        return cache[name]
+
+    return get
+
+
+def test_adapters_start_at_zero_and_are_all_that_trains():
+    model = _model()
+    before = _logits(model.module)
+    config = LoraConfig(**CFG)
+    model = lora.add_lora(model, config)
+    module = model.module
+    # lora_B = 0: the adapted layers add exactly zero.
+    assert torch.equal(_logits(module), before)
+    assert type(module.get_output_embeddings()) is FusedLMHead
+    assert config.target_modules == "all-linear"  # the caller's config is not resolved in place
+    state = tf.init(model, tf.optim.adamw(1e-2))
+    names = sorted(state.params)
+    assert len(names) == 2 * NUM_LINEARS
+    assert all(".lora_A.default." in n or ".lora_B.default." in n for n in names)
+    assert sorted(state.opt_state.mu) == sorted(state.opt_state.nu) == names
+    assert {n for n, p in module.named_parameters() if p.requires_grad} == set(names)
+
+
+def test_training_lowers_the_loss_and_leaves_base_weights_bit_identical(tmp_path):
+    model = lora.add_lora(_model(), CFG)
+    module = model.module
+    base = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    state = tf.init(model, tf.optim.adamw(1e-2))
+    batch = pack(random_features(8, seed=5))
+    losses = []
+    for _ in range(6):
+        grads, _ = tf.fwd_bwd(state, batch)
+        # Frozen weights get no gradient at all: autograd never computes one.
+        assert all(p.grad is None for p in module.parameters())
+        state, info = tf.step(state, grads)
+        losses.append(float(info["loss"]))
+    assert losses[-1] < losses[0] - 0.05
+    assert all(torch.equal(p, base[n]) for n, p in module.named_parameters() if n in base)
+    # A second save replaces the first and leaves no temporary directory behind.
+    for _ in range(2):
+        lora.save_adapter(state, tmp_path / "adapter")
+    assert os.listdir(tmp_path) == ["adapter"]
+    assert sorted(os.listdir(tmp_path / "adapter")) == [lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS]
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "dp2", "tp2"])
+def test_mesh_matches_one_process(name, runs):
+    """float64, tolerances as in backends/fsdp_test.py: the ranks sum the same token losses in
+    another order (losses ~1e-12 apart); AdamW keeps the relative parameter error near that."""
+    ref = runs("one")[0]
+    for result in runs(name):
+        assert result["losses"] == pytest.approx(ref["losses"], rel=1e-11)
+        assert result["adapters"].keys() == ref["adapters"].keys()
+        for n, p in result["adapters"].items():
+            torch.testing.assert_close(p, ref["adapters"][n], rtol=1e-9, atol=1e-11, msg=n)
+        assert result["frozen_grads"] == []
+        assert result["base_unchanged"]
+        assert result["sharded"] > 0 and result["unpredicted"] == []
+        assert "add adapters before tf.init/tf.shard on a mesh" in result["add_again"]
+
+
+@pytest.mark.parametrize("name", ["one", "fsdp2", "tp2"])
+def test_saved_adapter_loads_in_peft_with_the_trained_logits(name, runs):
+    """A plain HF model with the same base weights plus the adapter file reproduces the trained
+    model's logits (same float64 ops: ~1e-15 apart, asserted at 1e-10)."""
+    result = runs(name)[0]
+    weights = load_file(os.path.join(result["adapter_dir"], lora.ADAPTER_WEIGHTS))
+    assert len(weights) == 2 * NUM_LINEARS
+    assert all(k.startswith(lora.PEFT_PREFIX) and ".default." not in k for k in weights)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen2"), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base.to(torch.float64), result["adapter_dir"])
+    logits = _logits(peft_model)
+    torch.testing.assert_close(logits, result["logits"], rtol=0, atol=1e-10)
+    with peft_model.disable_adapter():
+        # The adapter was loaded, not silently skipped: without it the logits differ.
+        assert (_logits(peft_model) - logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({**CFG, "target_modules": ["lm_head", "q_proj"]}, "matches the lm_head"),
+        ({**CFG, "target_modules": ["no_such_proj"]}, "no_such_proj"),
+        ({**CFG, "bias": "all"}, "bias='all'"),
+        ({**CFG, "modules_to_save": ["embed_tokens"]}, "modules_to_save"),
+        ({**CFG, "use_dora": True}, "use_dora"),
+        ({**CFG, "init_lora_weights": "pissa"}, "rewrites the base weights"),
+    ],
+)
+def test_unsupported_configs_are_named(config, match):
+    model = _model()
+    with pytest.raises(ValueError, match=match):
+        lora.add_lora(model, config)
+    assert not any(".lora_" in n for n, _ in model.module.named_parameters())
+
+
+def test_misuse_raises():
+    with pytest.raises(TypeError, match="LoraConfig fields"):
+        lora.add_lora(_model(), {"rank": 4})
+    with pytest.raises(TypeError, match="a LoraConfig or a dict"):
+        lora.add_lora(_model(), 4)
+    model = lora.add_lora(_model(), CFG)
+    with pytest.raises(ValueError, match="already has adapter 'default'"):
+        lora.add_lora(model, CFG)
+    plain = tf.init(_model(), tf.optim.adamw(1e-2))
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        lora.adapter_state_dict(plain)
+
+
+CFG_B = {"r": 2, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+TWO = {"a": (CFG, 1, 1e-2), "b": (CFG_B, 2, 3e-2)}  # name: config, init seed, lr
+
+
+def _with_adapters(names):
+    """A fresh model with adapters `names` added in order, each from its own seed."""
+    model = _model()
+    for name in names:
+        torch.manual_seed(TWO[name][1])
+        model = lora.add_lora(model, TWO[name][0], name)
+    return model
+
+
+def _lora_step(state, i):
+    grads, _ = tf.fwd_bwd(state, pack(random_features(4, seed=20 + i)))
+    return grads, *tf.step(state, grads)
+
+
+def test_adapters_on_one_model_train_exactly_as_each_alone(tmp_path):
+    """Adapters a and b on one module, stepped alternately by their own states, end bit-equal
+    (float64, same ops) to each trained alone on a fresh model; base weights never move; each
+    export loads in peft next to the other and reproduces that adapter's logits."""
+    model = _with_adapters("ab")
+    module = model.module
+    assert lora.adapter_names(module) == ["a", "b"]
+    base = {n: p.detach().clone() for n, p in module.named_parameters() if ".lora_" not in n}
+    states = {}
+    for name, (_, _, lr) in TWO.items():
+        lora.set_adapter(model, name)
+        states[name] = tf.init(model, tf.optim.adamw(lr))
+        assert adapters_of(states[name].params) == [name]
+    losses = {name: [] for name in TWO}
+    for i in range(2):
+        for name in TWO:
+            _, states[name], info = _lora_step(states[name], i)
+            losses[name].append(float(info["loss"]))
+            assert all(p.grad is None for p in module.parameters())
+    evals = {name: tf.evaluate(states[name], pack(random_features(4, seed=9))) for name in "ba"}
+    for name in TWO:
+        alone = tf.init(_with_adapters(name), tf.optim.adamw(TWO[name][2]))
+        ref = []
+        for i in range(2):
+            _, alone, info = _lora_step(alone, i)
+            ref.append(float(info["loss"]))
+        assert losses[name] == ref
+        trained, expected = tf.unshard(states[name]), tf.unshard(alone)
+        assert trained.keys() == expected.keys()
+        assert all(torch.equal(trained[n], expected[n]) for n in trained)
+        assert torch.equal(
+            evals[name].loss_sum, tf.evaluate(alone, pack(random_features(4, seed=9))).loss_sum
+        )
+    assert all(torch.equal(p, base[n]) for n, p in module.named_parameters() if n in base)
+
+    for name in TWO:
+        lora.save_adapter(states[name], tmp_path / name)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_config("qwen2"), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(plain.to(torch.float64), tmp_path / "a", "a")
+    peft_model.load_adapter(tmp_path / "b", "b")
+    for name in "ba":
+        peft_model.set_adapter(name)
+        lora.set_adapter(model, name)
+        logits = _logits(peft_model)
+        torch.testing.assert_close(logits, _logits(module), rtol=0, atol=1e-10)
+        with peft_model.disable_adapter():  # the adapter was loaded, not silently skipped
+            assert (_logits(peft_model) - logits).abs().max() > 1e-3
+
+
+def _train_two(mesh_sizes):
+    """Adapters a and b stepped alternately on `mesh_sizes`, each rank on its slice."""
+    mesh = tf.Mesh(**mesh_sizes)
+    model = _with_adapters("ab")
+    states = {}
+    for name, (_, _, lr) in TWO.items():
+        lora.set_adapter(model, name)
+        states[name] = tf.init(model, tf.optim.adamw(lr), mesh)
+        model = states[name].model  # the first init sharded the module; the rest share it
+    losses = {name: [] for name in TWO}
+    for i in range(2):
+        for name in TWO:
+            feats = random_features(8, seed=30 + i)
+            mine = feats[mesh.get_slice(len(feats), rank())] if mesh.world_size > 1 else feats
+            grads, _ = tf.fwd_bwd(states[name], pack(mine))
+            states[name], info = tf.step(states[name], grads)
+            losses[name].append(float(info["loss"]))
+    return losses, {name: tf.unshard(states[name]) for name in TWO}
+
+
+def test_several_adapters_on_fsdp2_match_one_process():
+    """FSDP2 shards every adapter with the module while each state trains its own (float64;
+    tolerances as in `test_mesh_matches_one_process`, observed ~1e-15)."""
+    ref_losses, ref_weights = _train_two({})
+    for losses, weights in spawn(_train_two, 2, {"fsdp": 2}):
+        for name in TWO:
+            assert losses[name] == pytest.approx(ref_losses[name], rel=1e-11)
+            assert weights[name].keys() == ref_weights[name].keys()
+            for n, p in weights[name].items():
+                torch.testing.assert_close(p, ref_weights[name][n], rtol=1e-9, atol=1e-11)
+
+
+def test_several_adapters_misuse_raises():
+    model = _with_adapters("a")
+    with pytest.raises(ValueError, match=r"'b' does not exist; this model has adapters \['a'\]"):
+        lora.set_adapter(model, "b")
+    with pytest.raises(ValueError, match=r"without '\.'"):
+        lora.add_lora(model, CFG, "x.y")
+    with pytest.raises(ValueError, match="no_such_proj"):
+        lora.add_lora(model, {**CFG, "target_modules": ["no_such_proj"]}, "b")
+    assert lora.adapter_names(model.module) == ["a"]  # the failed add left nothing behind
+    model = lora.add_lora(model, CFG_B, "b")
+    for n, p in model.module.named_parameters():  # a state over both adapters' weights
+        p.requires_grad_(".lora_" in n)
+    both = tf.init(model, tf.optim.adamw(1e-2))
+    with pytest.raises(ValueError, match=r"weights of adapters \['a', 'b'\]"):
+        lora.adapter_state_dict(both)

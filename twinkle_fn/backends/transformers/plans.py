@@ -1,0 +1,148 @@
+"""Per-family parallelism plans, as data.
+
+A tensor-parallel plan maps a submodule of a decoder layer to ``"colwise"`` (output features split
+over tp) or ``"rowwise"`` (input features split; the output is summed across tp). `param_specs`
+turns a plan and a mesh into each parameter's sharding: a tuple of `ShardSpec`s applied in order
+(tp first, then FSDP's dim-0 split of the tp-local tensor over ``fsdp``). The FSDP backend shards
+with the same table, so `local_specs` predicts exactly what each rank holds.
+
+A linear layer that peft wrapped with LoRA (``y = base_layer(x) + lora_B(lora_A(x))``) keeps its
+plan entry: `with_lora` moves it onto ``base_layer`` and splits the adapter factor that sits on
+the split side (``lora_B`` like a colwise base's outputs, ``lora_A`` like a rowwise base's
+inputs); the other factor is small and stays whole on every tp rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+from transformers import PretrainedConfig
+
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import family_of
+from twinkle_fn.sharding import ShardSpec, local_shard
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+_ATTENTION = {
+    "self_attn.q_proj": COLWISE,
+    "self_attn.k_proj": COLWISE,
+    "self_attn.v_proj": COLWISE,
+    "self_attn.o_proj": ROWWISE,
+}
+_MLP = {"mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
+
+# MoE experts stay whole under tp (their inputs are identical on every tp rank); expert
+# parallelism belongs to the Megatron backend.
+TP_PLANS: dict[str, dict[str, str]] = {
+    "llama": {**_ATTENTION, **_MLP},
+    "mistral": {**_ATTENTION, **_MLP},
+    "qwen2": {**_ATTENTION, **_MLP},
+    "qwen3": {**_ATTENTION, **_MLP},
+    "qwen3_moe": dict(_ATTENTION),
+}
+
+# Sequence parallelism (with tp): norms run on this rank's slice of the sequence, and the
+# sequence is gathered into the attention and the MLP and scattered back by their rowwise
+# outputs. Styles: "norm" (a norm over the local sequence shard), "gather" (the module's
+# hidden-states input: sequence shards -> whole), "scatter" (the module's output: whole -> shard).
+SEQUENCE_PARALLEL_LAYER: dict[str, str] = {
+    "input_layernorm": "norm",
+    "self_attn": "gather",
+    "post_attention_layernorm": "norm",
+    "mlp": "gather",
+}
+SEQUENCE_PARALLEL_ROOT: dict[str, str] = {
+    "model.embed_tokens": "scatter",
+    "model.norm": "norm",
+    "lm_head": "gather",
+}
+
+_LAYER = re.compile(r"^(?:.*\.)?layers\.\d+\.(?P<sub>.+)\.(?P<leaf>weight|bias)$")
+# peft LoRA submodules of a wrapped linear: its base, or an adapter factor under some name.
+_LORA = re.compile(r"^(?P<sub>.+)\.(?:base_layer|(?P<factor>lora_A|lora_B)\.[^.]+)$")
+
+Specs = tuple[ShardSpec, ...]
+
+
+def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
+    """The tensor-parallel plan of `config`'s family, after checking `tp` divides what it splits.
+
+    Raises ``ValueError`` naming the size that `tp` does not divide.
+    """
+    plan = TP_PLANS[family_of(config)]
+    sizes = {
+        "attention heads": config.num_attention_heads,
+        "key/value heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
+    }
+    if "mlp.up_proj" in plan:
+        sizes["MLP intermediate features"] = config.intermediate_size
+    for what, n in sizes.items():
+        if n % tp:
+            raise ValueError(
+                f"tp={tp} does not divide the {n} {what} of this model; use a tp that divides {n}"
+            )
+    return plan
+
+
+def with_lora(plan: Mapping[str, str], module_names: Iterable[str]) -> dict[str, str]:
+    """`plan` for a decoder layer whose submodules are `module_names`, peft LoRA layers included.
+
+    An entry whose module peft wrapped (it has a ``.base_layer``) moves to the base layer, and
+    the factors ``<sub>.lora_B.<adapter>`` (colwise) or ``<sub>.lora_A.<adapter>`` (rowwise)
+    get the same style; other entries are unchanged.
+    """
+    names = set(module_names)
+    out = {}
+    for sub, style in plan.items():
+        if f"{sub}.base_layer" not in names:
+            out[sub] = style
+            continue
+        out[f"{sub}.base_layer"] = style
+        factor = f"{sub}.{'lora_B' if style == COLWISE else 'lora_A'}."
+        out.update(
+            {n: style for n in names if n.startswith(factor) and "." not in n[len(factor) :]}
+        )
+    return out
+
+
+def param_specs(names: Iterable[str], config: PretrainedConfig, mesh: Mesh) -> dict[str, Specs]:
+    """Each parameter's sharding on `mesh`: its tp split (from the plan), then the data split.
+
+    Parameters outside the plan (embeddings, norms, the lm_head, MoE experts) are replicated over
+    tp. Every parameter is split on dim 0 of its tp-local tensor, as FSDP2 does, over ``fsdp``,
+    or over ``dp`` when that is the only data axis (`twinkle_fn.backends.transformers.fsdp`'s ZeRO-2).
+    """
+    plan = tp_plan(config, mesh.tp)
+    data = ShardSpec(0, "dp" if mesh.fsdp == 1 and mesh.dp > 1 else "fsdp")
+    specs = {}
+    for name in names:
+        tp_spec = _tp_spec(plan, name)
+        specs[name] = (tp_spec, data) if tp_spec else (data,)
+    return specs
+
+
+def local_specs(tensor: torch.Tensor, specs: Specs, coords: Mapping[str, int], mesh: Mesh):
+    """The part of `tensor` that the rank at `coords` holds under `specs`, applied in order."""
+    for spec in specs:
+        tensor = local_shard(tensor, spec, coords, mesh)
+    return tensor
+
+
+def _tp_spec(plan: Mapping[str, str], name: str) -> ShardSpec | None:
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    sub, factor = match["sub"], None
+    if lora := _LORA.match(sub):
+        sub, factor = lora["sub"], lora["factor"]
+    if sub not in plan:
+        return None
+    style, leaf = plan[sub], match["leaf"]
+    if factor == ("lora_A" if style == COLWISE else "lora_B"):
+        return None  # the adapter factor on the unsplit side stays whole
+    if style == COLWISE:
+        return ShardSpec(0, "tp")
+    return ShardSpec(1, "tp") if leaf == "weight" else None
