@@ -11,7 +11,16 @@ Immutable train states (optree pytrees) and pure functions over them::
 """
 
 from twinkle_fn import checkpoint, data, lora, losses, models, optim, pytree, schedules
-from twinkle_fn.api import evaluate, fwd_bwd, init, shard, step, unshard
+from twinkle_fn.api import (
+    evaluate,
+    fwd_bwd,
+    grad_norm,
+    init,
+    shard,
+    step,
+    token_logps,
+    unshard,
+)
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.offload import Offloaded, offload, reload
 from twinkle_fn.sharding import ShardSpec, local_shard
@@ -28,6 +37,7 @@ __all__ = [
     "data",
     "evaluate",
     "fwd_bwd",
+    "grad_norm",
     "init",
     "local_shard",
     "lora",
@@ -40,5 +50,6 @@ __all__ = [
     "schedules",
     "shard",
     "step",
+    "token_logps",
     "unshard",
 ]
