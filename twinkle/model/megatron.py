@@ -228,24 +228,24 @@ class MegatronModel:
         `inputs`: feature dicts (``input_ids``, already-shifted ``labels``), chat trajectories
         or a collated batch. `micro_batch_size`: rows per megatron run (default: the whole
         list at once, split into ``num_micro_batches`` pipeline micro-batches). Returns
-        ``loss`` (token mean on this rank), ``num_tokens`` and ``logps`` (``[n_seq, max_len]``
-        per-token ``log p(label)`` of this rank's samples, 0 where the label is -100, as
-        `TransformersModel` returns them; from the training forward itself, the same on every
-        pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with a collated batch,
-        ``ValueError`` for a non-positive one.
+        ``loss`` (token mean on this rank, a float), ``num_tokens`` and ``logps``
+        (``[n_seq, max_len]`` per-token ``log p(label)`` of this rank's samples, 0 where the
+        label is -100, as `TransformersModel` returns them; from the training forward itself,
+        the same on every pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with
+        a collated batch, ``ValueError`` for a non-positive one.
         """
         g = _group.resolve(self._group, adapter_name)
         state = self._ensure_state()
-        loss_sum, num_tokens, logps = 0.0, 0, []
+        runs = []
         for i, chunk in enumerate(_chunks(inputs, micro_batch_size)):
             batch = _inputs.encode(g, self.tokenizer_id, chunk)
-            out = self._pending.add(state, batch, counts=i == 0)
-            loss_sum += out["loss"] * out["num_tokens"]
-            num_tokens += out["num_tokens"]
-            logps.append(unpack(out["logps"], batch))
-        return ModelOutput(
-            logps=_stack_rows(logps), loss=loss_sum / max(num_tokens, 1), num_tokens=num_tokens
+            runs.append((batch, self._pending.add(state, batch, counts=i == 0)))
+        # The runs' sums add up on the device; the call's numbers are read once, here.
+        totals = _accumulate.read_loss(
+            sum(aux["loss_sum"] for _, aux in runs), sum(aux["num_tokens"] for _, aux in runs)
         )
+        logps = _stack_rows([unpack(aux["logps"], batch) for batch, aux in runs])
+        return ModelOutput(logps=logps, **totals)
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
@@ -254,12 +254,10 @@ class MegatronModel:
         on every pipeline stage."""
         g = _group.resolve(self._group, adapter_name)
         batch = _inputs.encode(g, self.tokenizer_id, inputs)
-        out = tf.token_logps(self._ensure_state(), batch)
-        num_tokens = int(out["num_tokens"])
+        got = tf.token_logps(self._ensure_state(), batch)
         return ModelOutput(
-            logps=unpack(out["logps"], batch),
-            loss=float(out["loss_sum"]) / max(num_tokens, 1),
-            num_tokens=num_tokens,
+            logps=unpack(got["logps"], batch),
+            **_accumulate.read_loss(got["loss_sum"], got["num_tokens"]),
         )
 
     def forward(self, **kwargs: Any) -> None:
@@ -292,7 +290,7 @@ class MegatronModel:
         self._state = self._pending.apply(self._ensure_state())
         if any(self._offload.values()):
             self._parked, self._state = tf.offload(self._state, **self._offload), None
-        return self._pending.last_step["grad_norm"]
+        return float(self._pending.last_step["grad_norm"])
 
     @remote_function(dispatch="all", sync=True)
     def clip_grad_and_step(
@@ -376,7 +374,7 @@ class MegatronModel:
         """The last step's ``loss`` (token mean over its calls and data ranks), ``grad_norm``,
         ``lr``, ``num_tokens`` and ``step``."""
         _group.resolve(self._group, adapter_name)
-        return dict(self._pending.last_step)
+        return self._pending.metrics()
 
     # Settings.
     @remote_function()

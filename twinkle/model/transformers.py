@@ -39,7 +39,7 @@ import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function, settings
-from twinkle.model import _build, _checkpoint, _group, _inputs, optim
+from twinkle.model import _accumulate, _build, _checkpoint, _group, _inputs, optim
 from twinkle.model._inputs import Batch
 from twinkle.processor import InputProcessor
 
@@ -135,14 +135,16 @@ class TransformersModel:
 
         `inputs`: feature dicts (``input_ids`` and already-shifted ``labels``), chat
         trajectories (``messages``, encoded by the template) or a collated batch. Returns
-        ``loss`` (this call's token mean on this rank) and ``num_tokens``; with `return_logps`
-        / `return_logits` also ``logps`` / ``logits`` from an extra no-grad forward (with the
-        weights the gradient is taken at). `gradient_accumulation_steps` is read at step time.
+        ``loss`` (this call's token mean on this rank, a float) and ``num_tokens``; with
+        `return_logps` / `return_logits` also ``logps`` / ``logits`` from an extra no-grad
+        forward (with the weights the gradient is taken at). `gradient_accumulation_steps` is
+        read at step time.
         """
         g, batch = self._encode(adapter_name, inputs)
         state = self._ensure_state(g)
         out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
-        out.update(g.pending.add(state, batch))
+        aux = g.pending.add(state, batch)
+        out.update(_accumulate.read_loss(aux["loss_sum"], aux["num_tokens"]))
         g.last = (batch, out, False)
         return out
 
@@ -290,7 +292,7 @@ class TransformersModel:
             return None
         g.pending.set_clip(max_grad_norm, norm_type)
         _group.step(g)
-        return g.pending.last_step["grad_norm"]
+        return float(g.pending.last_step["grad_norm"])
 
     @remote_function(collect="first")
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
@@ -298,7 +300,7 @@ class TransformersModel:
         ranks), ``grad_norm``, ``lr``, ``num_tokens`` and ``step``. Evaluation: the token-mean
         ``loss`` over this rank's `forward_only` calls since the last call (then reset)."""
         g = self._resolve(adapter_name)
-        return dict(g.pending.last_step) if is_training else _group.pop_eval(g)
+        return g.pending.metrics() if is_training else _group.pop_eval(g)
 
     # Settings.
     @remote_function()
