@@ -49,13 +49,6 @@ class Pending:
         """Whether the pending gradients hold (at least) the micro-batches of one step."""
         return self.grads is not None and self.micro_batches >= accumulation_steps
 
-    def set_clip(self, max_grad_norm: float, norm_type: float) -> None:
-        """Clip the coming step's gradients to `max_grad_norm`. Raises ``ValueError`` for a
-        norm other than L2."""
-        if norm_type != 2:
-            raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
-        self.clip = max_grad_norm
-
     def grad_norm(self, state: tf.TrainState) -> float:
         """The global L2 norm of the token-normalised pending gradients, any float16 loss scale
         divided out (`tf.grad_norm`: the norm `tf.step` will report). A collective on several
