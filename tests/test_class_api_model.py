@@ -180,6 +180,25 @@ def test_group_accumulation_default_and_step_gating():
     assert model.state.step == 1
 
 
+def test_fp16_clip_grad_norm_is_the_norm_the_step_reports():
+    """fp16 scales the loss (by the state's loss scale, 2**10 at first) before the backward;
+    clip_grad_norm divides it out: it returns the grad_norm the step reports for the same
+    gradients, and the fp32 run's up to fp16 rounding (the scaled norm is 1024 times that)."""
+    feats = random_features(4, seed=8)
+    norms = {}
+    for precision in ("fp16", "no"):
+        model = TransformersModel(config=tiny_config(), mixed_precision=precision, seed=0)
+        model.forward_backward(inputs=feats)
+        norms[precision] = model.clip_grad_norm(max_grad_norm=1.0)
+        if precision == "fp16":
+            assert float(model.state.loss_scale.scale) == 2.0**10
+        model.step()
+        metrics = model.calculate_metric()
+        assert metrics["step"] == 1  # the step was made, not skipped for an overflow
+        assert norms[precision] == pytest.approx(metrics["grad_norm"], rel=1e-6)
+    assert norms["fp16"] == pytest.approx(norms["no"], rel=1e-3)
+
+
 def test_forward_calculate_loss_backward_equals_forward_backward():
     feats = random_features(4, seed=3)
     split, fused = _model(), _model()

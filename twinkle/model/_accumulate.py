@@ -1,8 +1,14 @@
-"""The gradients pending between optimizer steps.
+"""The gradients pending between optimizer steps, and the metrics of the calls that made them.
 
 Micro-batch gradients are summed (token sums, as `tf.fwd_bwd` returns them) until a step is
 due; then the step clips (when asked), applies one update normalised by all their tokens
 (`tf.step`), and records its metrics.
+
+Nothing here reads a value back to the host while training: a micro-batch's loss sum and token
+count, and a step's loss, gradient norm and token count, stay the core's device tensors (so the
+host queues the next micro-batch while the device still computes this one). They become Python
+numbers only when a caller asks for them: `read_loss` for a call's return value, `metrics` for
+``calculate_metric``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import twinkle_fn as tf
 @dataclasses.dataclass
 class Pending:
     """The summed gradients of the micro-batches since the last step, the clip norm chosen for
-    the coming step, and the metrics of the last step."""
+    the coming step, and the metrics of the last step (device tensors until `metrics`)."""
 
     grads: tf.Grads | None = None
     clip: float | None = None
@@ -29,51 +35,65 @@ class Pending:
 
     def add(
         self, state: tf.TrainState, batch: Mapping[str, torch.Tensor], *, counts: bool = True
-    ) -> dict[str, Any]:
+    ) -> dict[str, torch.Tensor]:
         """Forward and backward on `batch`, adding its gradients (one more micro-batch unless
-        `counts` is False: a later part of the same one); returns its token-mean ``loss`` and
-        ``num_tokens``, and the ``logps`` ``[batch, seq]`` of backends whose forward yields
-        them (megatron's)."""
+        `counts` is False: a later part of the same one). Returns the core's ``loss_sum`` and
+        ``num_tokens`` of `batch` (0-d device tensors, not read here; `read_loss` gives the
+        numbers), and the ``logps`` ``[batch, seq]`` of backends whose forward yields them
+        (megatron's)."""
         self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads)
         self.micro_batches += counts
-        num_tokens = int(aux["num_tokens"])
-        out = {"loss": float(aux["loss_sum"]) / max(num_tokens, 1), "num_tokens": num_tokens}
-        if "logps" in aux:
-            out["logps"] = aux["logps"]
-        return out
+        return aux
 
     def due(self, accumulation_steps: int) -> bool:
         """Whether the pending gradients hold (at least) the micro-batches of one step."""
         return self.grads is not None and self.micro_batches >= accumulation_steps
 
-    def set_clip(self, max_grad_norm: float, norm_type: float) -> None:
-        """Clip the coming step's gradients to `max_grad_norm`. Raises ``ValueError`` for a
-        norm other than L2."""
-        if norm_type != 2:
-            raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
-        self.clip = max_grad_norm
-
     def grad_norm(self, state: tf.TrainState) -> float:
-        """The global L2 norm of the token-normalised pending gradients. A collective on
-        several ranks."""
+        """The global L2 norm of the token-normalised pending gradients, any float16 loss scale
+        divided out (`tf.grad_norm`: the norm `tf.step` will report). A collective on several
+        ranks."""
         assert self.grads is not None
         return float(tf.grad_norm(state, self.grads))
 
     def apply(self, state: tf.TrainState) -> tf.TrainState:
         """`state` after one update of its own transform from the pending gradients (then
-        cleared); records ``last_step``."""
+        cleared); records ``last_step`` (the core's tensors, read by `metrics`)."""
         assert self.grads is not None
         state, info = tf.step(state, self.grads)
         self.clear()
         self.last_step = {
-            "loss": float(info["loss"]),
-            "grad_norm": float(info["grad_norm"]),
+            "loss": info["loss"],
+            "grad_norm": info["grad_norm"],
             "lr": info["lr"],
-            "num_tokens": int(info["num_tokens"]),
-            "step": int(state.step),
+            "num_tokens": info["num_tokens"],
+            "step": int(state.step),  # a host tensor: no wait for the device
         }
         return state
+
+    def metrics(self) -> dict[str, Any]:
+        """The last step's ``loss`` (token mean), ``grad_norm`` (before clipping), ``lr``,
+        ``num_tokens`` and ``step`` as Python numbers (read back from the device now); empty
+        before the first step."""
+        if not self.last_step:
+            return {}
+        m = self.last_step
+        return {
+            "loss": float(m["loss"]),
+            "grad_norm": float(m["grad_norm"]),
+            "lr": m["lr"],
+            "num_tokens": int(m["num_tokens"]),
+            "step": m["step"],
+        }
 
     def clear(self) -> None:
         """Drop the pending gradients and the clip norm."""
         self.grads, self.clip, self.micro_batches = None, None, 0
+
+
+def read_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> dict[str, float | int]:
+    """A call's token-mean ``loss`` (float; 0 without tokens) and ``num_tokens`` (int) from
+    its token sums, 0-d tensors (summed on the device over the call's parts). Reads them back
+    to the host: call it only for a value the caller returns."""
+    count = int(num_tokens)
+    return {"loss": float(loss_sum) / max(count, 1), "num_tokens": count}

@@ -1,7 +1,8 @@
-"""`TransformersModel`'s construction: option checks, the device mesh, the core model.
+"""The model classes' construction: option checks, the device mesh, the core model.
 
-The class accepts upstream's constructor arguments; this module rejects those the core does not
-do (fp8, grad scaler, DDP options, non-causal-LM classes), joins the distributed world, and
+The classes accept upstream's constructor arguments; this module checks the precision both take
+(`check_precision`), rejects the `TransformersModel` options the core does not do (fp8, grad
+scaler, DDP options, non-causal-LM classes; `check_options`), joins the distributed world, and
 builds the `twinkle_fn` model from a checkpoint directory / hub id or from an HF config with
 overridden fields.
 """
@@ -23,28 +24,31 @@ STRATEGIES = ("accelerate", "native_fsdp")
 FSDP_OPTIONS = ("activation_checkpointing",)
 
 
+def check_precision(mixed_precision: str) -> None:
+    """Raises ``ValueError`` unless `mixed_precision` is one of `PRECISIONS`."""
+    if mixed_precision not in PRECISIONS:
+        raise ValueError(
+            f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}"
+        )
+
+
 def check_options(
     model_cls: Any,
-    mixed_precision: str,
     strategy: str,
     ddp_config: Mapping[str, Any] | None,
     fsdp_config: Mapping[str, Any] | None,
     grad_scaler_config: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """Check the constructor's options; returns `fsdp_config` as a dict.
+    """Check `TransformersModel`'s options (its precision: `check_precision`); returns
+    `fsdp_config` as a dict.
 
-    Raises ``ValueError`` for a `model_cls` that is not a causal LM, an unknown
-    `mixed_precision` or `strategy`, any `ddp_config` or `grad_scaler_config`, and unknown
-    `fsdp_config` keys.
+    Raises ``ValueError`` for a `model_cls` that is not a causal LM, an unknown `strategy`, any
+    `ddp_config` or `grad_scaler_config`, and unknown `fsdp_config` keys.
     """
     name = model_cls if isinstance(model_cls, str) else getattr(model_cls, "__name__", "")
     if not name.endswith("ForCausalLM"):
         raise ValueError(
             f"model_cls={model_cls!r}: this build trains causal LMs; use AutoModelForCausalLM"
-        )
-    if mixed_precision not in PRECISIONS:
-        raise ValueError(
-            f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}"
         )
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -109,7 +113,7 @@ def build_model(
     elif config is not None:
         model = tf.models.from_hf_config(_override(config, overrides), seed=seed, **build)
     else:
-        raise ValueError("TransformersModel needs model_id=<dir or hub id> or config=")
+        raise ValueError("the model needs model_id=<dir or hub id> or config=")
     if dtype is not None:
         model.module.to(dtype)
     return model

@@ -1,8 +1,8 @@
-"""Checkpoints of `TransformersModel`: save, load, resume, and continuing an adapter.
+"""Checkpoints of the model classes: save, load, resume, and continuing an adapter.
 
 A full model is a `twinkle_fn.checkpoint` (HF weights + config + tokenizer, plus optimizer
-state and step). An adapter is a peft directory (`twinkle_fn.backends.transformers.lora`), plus, when the optimizer is
-saved, a ``train_state/`` checkpoint next to it to resume from.
+state and step). An adapter is a peft directory (`twinkle_fn.lora`), plus, when the optimizer
+is saved, a ``train_state/`` checkpoint next to it to resume from.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 with, how a group is looked up by adapter name, and the settings checks of the training calls
 (accumulation steps, loss, a new adapter).
 
-`TransformersModel` keeps one `Group` per adapter in `Groups`, each with its own train state
-(that adapter's weights, optimizer state and step) and pending gradients; `MegatronModel` keeps
-one group (the full model, or its one adapter) and looks it up with `resolve`. The group's
-optimizer and scheduler become the core's transform through `optim`.
+Both model classes keep their groups in `Groups`, each with its own train state and pending
+gradients: `TransformersModel` one group per adapter (that adapter's weights, optimizer state
+and step), `MegatronModel` one (the full model, or its one adapter). The group's optimizer and
+scheduler become the core's transform through `optim`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Group:
     processor: InputProcessor | None = None
     last: tuple[dict[str, torch.Tensor], ModelOutput, bool] | None = None  # batch, out, train
     eval_sums: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
-    # TransformersModel's training of this group (MegatronModel keeps its own state).
+    # The group's training: None until built (and while MegatronModel has it offloaded).
     state: tf.TrainState | None = None
     pending: Pending = dataclasses.field(default_factory=Pending)
 
@@ -95,10 +95,11 @@ class Groups:
 
     def add(self, adapter_name: Any, is_trainable: bool, gradient_accumulation_steps: int) -> Group:
         """A new group for adapter `adapter_name`, with the ``''`` group's settings and
-        `gradient_accumulation_steps` (`register` it once the adapter is in the model).
+        `gradient_accumulation_steps` (`register` it once the adapter is in the model; the
+        model class refuses adapters once its states are built).
 
-        Raises ``ValueError`` for an empty or taken name (listing the adapters there), once the
-        states are built, for ``is_trainable=False`` and a bad `gradient_accumulation_steps`.
+        Raises ``ValueError`` for an empty or taken name (listing the adapters there), for
+        ``is_trainable=False`` and a bad `gradient_accumulation_steps`.
         """
         if not isinstance(adapter_name, str) or not adapter_name:
             raise ValueError(f"adapter_name must be a non-empty str, got {adapter_name!r}")
@@ -106,10 +107,6 @@ class Groups:
             raise ValueError(
                 f"adapter {adapter_name!r} already exists (adapters: {self.adapter_names}); "
                 "add another adapter under a new name"
-            )
-        if self.built:
-            raise ValueError(
-                "add adapters before the first forward/step (the states are built then)"
             )
         if not is_trainable:
             raise ValueError("is_trainable=False is not supported: an added adapter trains")

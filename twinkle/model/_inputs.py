@@ -1,4 +1,4 @@
-"""Inputs and outputs of `TransformersModel`'s forward calls.
+"""Inputs and outputs of the model classes' forward calls.
 
 Features, chat trajectories (encoded by the group's `Template`) or a collated batch become the
 core's batch through the group's `InputProcessor`; the no-grad forward's log-probs become a
@@ -17,6 +17,7 @@ import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.dataset import make_template
 from twinkle.device_mesh import DeviceMesh
+from twinkle.model._accumulate import read_loss
 from twinkle.model._group import Group
 from twinkle.processor import InputProcessor, unpack
 from twinkle.template import Template
@@ -91,12 +92,8 @@ def outputs(
         disable_lora=disable_lora,
     )
     logps, logits = got["logps"], got.get("logits")
-    num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
-    out = ModelOutput(
-        logps=unpack(logps, batch),
-        loss=float(-logps.sum()) / max(num_tokens, 1),
-        num_tokens=num_tokens,
-    )
+    num_tokens = (batch["labels"] != IGNORE_INDEX).sum()
+    out = ModelOutput(logps=unpack(logps, batch), **read_loss(-logps.sum(), num_tokens))
     if logits is not None:
         out["logits"] = logits
     return out

@@ -13,13 +13,15 @@ The optimizer is always megatron-core's distributed Adam (`megatron_optimizer`) 
 follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstream allows.
 
 - ``add_adapter_to_model`` = `twinkle_fn.lora.add_lora` before the state is built: one
-  LoRA adapter per model (the core's megatron LoRA trains one), which names the single group;
+  LoRA adapter per model (the core's megatron LoRA trains one), the model's one group;
 - ``save``/``load`` = `twinkle_fn.checkpoint` (full model: megatron's dist checkpoint of model,
   optimizer, step and RNG, loadable on another tp/pp/dp mesh, plus HF safetensors) or, with an
   adapter, `twinkle_fn.lora.save_adapter` (a peft directory). A weights-only ``load``
   copies the directory's HF weights into the model through the bridge and refreshes the
   optimizer's fp32 main parameters from them.
 
+What both model classes share (step gating, metrics, settings, checkpoints) is in
+`twinkle.model._base.TrainableModel`; what this class refuses of it is `MegatronModel._REFUSED`.
 Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too); continuing an
 adapter from a peft directory, loading an adapter, and training states of adapters
 (``save_optimizer=True``): the core's megatron backend does not read adapters back nor
@@ -30,18 +32,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from peft import LoraConfig
 from transformers import AutoConfig, PretrainedConfig
 
 import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
-from twinkle.infra import remote_class, remote_function, settings
-from twinkle.model import _accumulate, _build, _checkpoint, _group, _inputs, optim
-from twinkle.processor import InputProcessor, unpack
+from twinkle.infra import remote_class, remote_function
+from twinkle.model import _accumulate, _build, _group, _inputs, optim
+from twinkle.model._base import TrainableModel
+from twinkle.processor import unpack
 from twinkle_fn.models.model import resolve_model_dir
 
 OPTIMIZERS = ("default", "MegatronDistributedOptimizer")
@@ -64,7 +66,6 @@ _DDP_CONFIG = {
     "grad_reduce_in_fp32": True,
     "use_distributed_optimizer": True,
 }
-_PRECISIONS = ("no", "bf16", "fp16")
 
 
 def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> optim.OptimizerSpec:
@@ -95,11 +96,8 @@ def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> optim.OptimizerSpec:
     return spec
 
 
-def _check_options(mixed_precision: str, ddp_config: Mapping[str, Any] | None) -> None:
-    if mixed_precision not in _PRECISIONS:
-        raise ValueError(
-            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, got {mixed_precision!r}"
-        )
+def _check_ddp_config(ddp_config: Mapping[str, Any] | None) -> None:
+    """Raises ``ValueError`` for a `ddp_config` entry the core's megatron DDP does not run."""
     for key, value in (ddp_config or {}).items():
         if key in _CORE_OPTIONS and isinstance(value, bool):
             continue
@@ -124,7 +122,7 @@ def _recompute(granularity: str | None, method: str | None, num_layers: int | No
 
 
 @remote_class(execute="all")
-class MegatronModel:
+class MegatronModel(TrainableModel):
     """A causal LM trained by megatron-core through `twinkle_fn`, with upstream's methods.
 
     `model_id`: a local HF directory or ``hf://``/``ms://`` id; each rank reads its slices of
@@ -145,6 +143,25 @@ class MegatronModel:
     that does not match the world, or no model source.
     """
 
+    _REFUSED: ClassVar[Mapping[str, str]] = {
+        "second_adapter": (
+            "the megatron backend trains one LoRA adapter per model: build another "
+            "MegatronModel for another adapter"
+        ),
+        "adapter_dir": (
+            "continuing an adapter from a peft directory is not supported on MegatronModel "
+            "yet; pass a LoraConfig (a new adapter), or continue it with TransformersModel"
+        ),
+        "adapter_load": (
+            "loading adapters into MegatronModel is not supported yet; load full-model "
+            "checkpoints into a MegatronModel without one"
+        ),
+        "adapter_state": (
+            "training states (dist checkpoints) of megatron LoRA adapters are not supported "
+            "yet; save the adapter with save_optimizer=False"
+        ),
+    }
+
     def __init__(
         self,
         model_id: str | os.PathLike[str] | None = None,
@@ -161,16 +178,12 @@ class MegatronModel:
         optimizer_offload: bool = False,
         **kwargs: Any,
     ) -> None:
-        _check_options(mixed_precision, ddp_config)
-        self.device_mesh = _build.device_mesh(device_mesh)
-        self.mixed_precision = mixed_precision
-        self.model_id = None if model_id is None else os.fspath(model_id)
-        self.tokenizer_id = kwargs.pop("tokenizer_id", self.model_id)
-        self._seed = kwargs.pop("seed", settings().seed)
+        _check_ddp_config(ddp_config)
+        super().__init__(
+            model_id, device_mesh, mixed_precision, kwargs, optimizer=optimizer_spec("default")
+        )
         if model_id is not None and not load_weights:
             model_id, config = None, AutoConfig.from_pretrained(resolve_model_dir(model_id))
-        if model_id is None and config is None:
-            raise ValueError("MegatronModel needs model_id=<dir or hub id> or config=")
         options = {**_recompute(recompute_granularity, recompute_method, recompute_num_layers)}
         options.update({k: v for k, v in (ddp_config or {}).items() if k in _CORE_OPTIONS})
         options.update(kwargs)
@@ -184,34 +197,42 @@ class MegatronModel:
             backend="megatron",
             options=options,
         )
-        self._group = _group.Group(
-            optimizer=optimizer_spec("default"), processor=InputProcessor(self.device_mesh)
-        )
-        self._state: tf.TrainState | None = None
         self._offload = dict(params=param_offload, grads=grad_offload, optimizer=optimizer_offload)
         self._parked: tf.Offloaded | None = None
-        self._pending = _accumulate.Pending()
 
-    @property
-    def state(self) -> tf.TrainState:
-        """The current `twinkle_fn.TrainState` (built on first access; a collective)."""
-        return self._ensure_state()
-
-    def _ensure_state(self) -> tf.TrainState:
+    def _ensure_state(self, g: _group.Group) -> tf.TrainState:
+        """The model's one state (`g` is its one group): brought back to the device if an
+        update parked it, built on first use (a collective)."""
         if self._parked is not None:
-            self._state, self._parked = tf.reload(self._parked), None
-        if self._state is None:
-            g = self._group
+            g.state, self._parked = tf.reload(self._parked), None
+        if g.state is None:
             tx = tf.optim.megatron_optimizer(_group.learning_rate(g), **g.optimizer.kwargs)
-            self._state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
-        return self._state
+            g.state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
+        return g.state
 
-    def _check_unbuilt(self, what: str) -> None:
-        if self._state is not None or self._parked is not None:
+    def _built(self) -> bool:
+        return self._parked is not None or super()._built()
+
+    def _update(self, g: _group.Group) -> None:
+        """One update of megatron's optimizer (it clips to its ``clip_grad``); parks the state
+        in host memory if offloading is on."""
+        g.state = g.pending.apply(self._ensure_state(g))
+        if any(self._offload.values()):
+            self._parked, g.state = tf.offload(g.state, **self._offload), None
+
+    def _check_clip(self, g: _group.Group, max_grad_norm: float, norm_type: float) -> None:
+        """Raises ``ValueError`` unless the clipping is megatron optimizer's own: by the L2
+        norm to its ``clip_grad``."""
+        clip = g.optimizer.kwargs.get("clip_grad", 1.0)
+        if max_grad_norm != clip or norm_type != 2:
             raise ValueError(
-                f"{what} must be called before the first forward_backward: megatron's "
-                "distributed optimizer is built with the train state"
+                f"max_grad_norm={max_grad_norm}, norm_type={norm_type}: megatron's optimizer "
+                f"clips by the L2 norm to its clip_grad={clip}; set it with "
+                "set_optimizer('default', clip_grad=...)"
             )
+
+    def _config_lines(self) -> list[str]:
+        return [f"megatron options: {dict(self._model.options)}"]
 
     # Training calls.
     @remote_function(dispatch="slice_dp", collect="mean", sync=True)
@@ -228,39 +249,38 @@ class MegatronModel:
         `inputs`: feature dicts (``input_ids``, already-shifted ``labels``), chat trajectories
         or a collated batch. `micro_batch_size`: rows per megatron run (default: the whole
         list at once, split into ``num_micro_batches`` pipeline micro-batches). Returns
-        ``loss`` (token mean on this rank), ``num_tokens`` and ``logps`` (``[n_seq, max_len]``
-        per-token ``log p(label)`` of this rank's samples, 0 where the label is -100, as
-        `TransformersModel` returns them; from the training forward itself, the same on every
-        pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with a collated batch,
-        ``ValueError`` for a non-positive one.
+        ``loss`` (token mean on this rank, a float), ``num_tokens`` and ``logps``
+        (``[n_seq, max_len]`` per-token ``log p(label)`` of this rank's samples, 0 where the
+        label is -100, as `TransformersModel` returns them; from the training forward itself,
+        the same on every pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with
+        a collated batch, ``ValueError`` for a non-positive one.
         """
-        g = _group.resolve(self._group, adapter_name)
-        state = self._ensure_state()
-        loss_sum, num_tokens, logps = 0.0, 0, []
+        g = self._resolve(adapter_name)
+        state = self._ensure_state(g)
+        runs = []
         for i, chunk in enumerate(_chunks(inputs, micro_batch_size)):
             batch = _inputs.encode(g, self.tokenizer_id, chunk)
-            out = self._pending.add(state, batch, counts=i == 0)
-            loss_sum += out["loss"] * out["num_tokens"]
-            num_tokens += out["num_tokens"]
-            logps.append(unpack(out["logps"], batch))
-        return ModelOutput(
-            logps=_stack_rows(logps), loss=loss_sum / max(num_tokens, 1), num_tokens=num_tokens
+            runs.append((batch, g.pending.add(state, batch, counts=i == 0)))
+        # The runs' sums add up on the device; the call's numbers are read once, here.
+        totals = _accumulate.read_loss(
+            sum(aux["loss_sum"] for _, aux in runs), sum(aux["num_tokens"] for _, aux in runs)
         )
+        logps = _stack_rows([unpack(aux["logps"], batch) for batch, aux in runs])
+        return ModelOutput(logps=logps, **totals)
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
         """An evaluation forward (no gradient): this rank's token-mean ``loss``,
         ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
-        on every pipeline stage."""
-        g = _group.resolve(self._group, adapter_name)
-        batch = _inputs.encode(g, self.tokenizer_id, inputs)
-        out = tf.token_logps(self._ensure_state(), batch)
-        num_tokens = int(out["num_tokens"])
-        return ModelOutput(
-            logps=unpack(out["logps"], batch),
-            loss=float(out["loss_sum"]) / max(num_tokens, 1),
-            num_tokens=num_tokens,
+        on every pipeline stage; ``calculate_metric(is_training=False)`` averages them."""
+        g, batch = self._encode(adapter_name, inputs)
+        got = tf.token_logps(self._ensure_state(g), batch)
+        out = ModelOutput(
+            logps=unpack(got["logps"], batch),
+            **_accumulate.read_loss(got["loss_sum"], got["num_tokens"]),
         )
+        _group.add_eval(g, out)
+        return out
 
     def forward(self, **kwargs: Any) -> None:
         """Not available: raises ``TypeError`` (megatron runs forward and backward together)."""
@@ -273,46 +293,6 @@ class MegatronModel:
     def backward(self, **kwargs: Any) -> None:
         """Not available: raises ``TypeError`` (megatron runs forward and backward together)."""
         raise TypeError(_TOGETHER.format("backward"))
-
-    def _due(self, adapter_name: str | None, gradient_accumulation_steps: int | None) -> bool:
-        g = _group.resolve(self._group, adapter_name)
-        return self._pending.due(_group.accumulation_steps(g, gradient_accumulation_steps))
-
-    def _check_clip(self, max_grad_norm: float, norm_type: float) -> None:
-        clip = self._group.optimizer.kwargs.get("clip_grad", 1.0)
-        if max_grad_norm != clip or norm_type != 2:
-            raise ValueError(
-                f"max_grad_norm={max_grad_norm}, norm_type={norm_type}: megatron's optimizer "
-                f"clips by the L2 norm to its clip_grad={clip}; set it with "
-                "set_optimizer('default', clip_grad=...)"
-            )
-
-    def _apply(self) -> float:
-        """One update from the pending gradients; parks the state if offloading is on."""
-        self._state = self._pending.apply(self._ensure_state())
-        if any(self._offload.values()):
-            self._parked, self._state = tf.offload(self._state, **self._offload), None
-        return self._pending.last_step["grad_norm"]
-
-    @remote_function(dispatch="all", sync=True)
-    def clip_grad_and_step(
-        self,
-        max_grad_norm: float = 1.0,
-        norm_type: float = 2,
-        adapter_name: str | None = None,
-        gradient_accumulation_steps: int | None = None,
-    ) -> float | None:
-        """After exactly `gradient_accumulation_steps` forward_backward calls (default: the
-        group's): one update of megatron's optimizer (it clips to its ``clip_grad``) and the
-        schedule; returns the global gradient norm before clipping, else None.
-
-        Raises ``ValueError`` when `max_grad_norm` differs from the optimizer's ``clip_grad``
-        (set it with ``set_optimizer(clip_grad=...)``) or `norm_type` is not 2.
-        """
-        self._check_clip(max_grad_norm, norm_type)
-        if not self._due(adapter_name, gradient_accumulation_steps):
-            return None
-        return self._apply()
 
     @remote_function(sync=True)
     def clip_grad_norm(
@@ -334,57 +314,13 @@ class MegatronModel:
             max_grad_norm, norm_type, adapter_name, gradient_accumulation_steps
         )
 
-    @remote_function(sync=True)
-    def step(
-        self,
-        adapter_name: str | None = None,
-        gradient_accumulation_steps: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """On a step boundary with gradients pending (no `clip_grad_norm` made the update
-        yet): one update of megatron's optimizer, clipping to its ``clip_grad``. Raises
-        ``ValueError`` for options (set them with `set_optimizer`)."""
-        if kwargs:
-            raise ValueError(
-                f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
-                "to change the learning rate or weight decay"
-            )
-        if self._due(adapter_name, gradient_accumulation_steps):
-            self._apply()
-
-    @remote_function()
-    def zero_grad(
-        self,
-        adapter_name: str | None = None,
-        gradient_accumulation_steps: int | None = None,
-        set_to_none: bool = True,
-    ) -> None:
-        """Nothing to do: the update consumed the pending gradients (megatron zeroes its grad
-        buffers when the next forward_backward starts)."""
-        _group.resolve(self._group, adapter_name)
-
-    @remote_function()
-    def lr_step(
-        self, adapter_name: str | None = None, gradient_accumulation_steps: int | None = None
-    ) -> None:
-        """Nothing to do: the lr follows ``OptimizerParamScheduler`` as a function of the
-        update count, so each update already moves it on."""
-        _group.resolve(self._group, adapter_name)
-
-    @remote_function(collect="first")
-    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
-        """The last step's ``loss`` (token mean over its calls and data ranks), ``grad_norm``,
-        ``lr``, ``num_tokens`` and ``step``."""
-        _group.resolve(self._group, adapter_name)
-        return dict(self._pending.last_step)
-
     # Settings.
     @remote_function()
     def set_optimizer(self, optimizer_cls: Any, **kwargs: Any) -> None:
         """Use megatron's distributed optimizer ('default' / 'MegatronDistributedOptimizer')
         with upstream's arguments (see `optimizer_spec`). Raises ``ValueError`` for any other
         optimizer, naming the accepted ones, and after the first forward_backward."""
-        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
+        g = self._resolve(kwargs.pop("adapter_name", None))
         spec = optimizer_spec(optimizer_cls, **kwargs)
         self._check_unbuilt("set_optimizer")
         g.optimizer = spec
@@ -396,7 +332,7 @@ class MegatronModel:
         ``max_lr`` (default the optimizer's lr), ``min_lr``, ...), counted in optimizer steps.
         Raises ``ValueError`` for any other scheduler, naming the accepted ones, for values
         megatron rejects, and after the first forward_backward."""
-        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
+        g = self._resolve(kwargs.pop("adapter_name", None))
         if optim._name(scheduler_cls) not in SCHEDULERS:
             raise ValueError(
                 f"MegatronModel does not support lr scheduler {scheduler_cls!r}: megatron "
@@ -405,162 +341,6 @@ class MegatronModel:
             )
         self._check_unbuilt("set_lr_scheduler")
         _group.set_scheduler(g, scheduler_cls, kwargs)
-
-    @remote_function()
-    def set_template(self, template_cls: Any = "Template", **kwargs: Any) -> None:
-        """Encode chat trajectories with a `Template` (as `TransformersModel.set_template`)."""
-        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
-        g.template = _inputs.make_group_template(template_cls, self.tokenizer_id, kwargs)
-
-    @remote_function()
-    def set_processor(self, processor_cls: Any = "InputProcessor", **kwargs: Any) -> None:
-        """Collate with an `InputProcessor` (as `TransformersModel.set_processor`)."""
-        g = _group.resolve(self._group, kwargs.pop("adapter_name", None))
-        g.processor = _inputs.make_processor(processor_cls, self.device_mesh, kwargs)
-
-    # Adapters and checkpoints.
-    @remote_function(execute="all", sync=True)
-    def add_adapter_to_model(
-        self,
-        adapter_name: str,
-        config_or_dir: LoraConfig | Mapping[str, Any] | str | os.PathLike[str],
-        is_trainable: bool = True,
-        gradient_accumulation_steps: int = 1,
-    ) -> None:
-        """Train LoRA adapter `adapter_name` (a ``LoraConfig`` or a dict of its fields; see
-        `twinkle_fn.backends.megatron.lora` for the targets) instead of the full model: the model's one
-        group takes that name and `gradient_accumulation_steps`, keeping the settings made
-        before. Call it before the first forward_backward.
-
-        Raises ``ValueError`` for a second adapter (the megatron backend trains one adapter
-        per model), a peft directory (continuing an adapter is not supported on MegatronModel
-        yet), an empty name, ``is_trainable=False``, a bad `gradient_accumulation_steps`, a
-        call after the state is built, and what `twinkle_fn.lora.add_lora` rejects.
-        """
-        if self._group.name:
-            raise ValueError(
-                f"this model already trains adapter {self._group.name!r}; the megatron backend "
-                "trains one LoRA adapter per model: build another MegatronModel for another "
-                "adapter"
-            )
-        g = _group.Groups(self._group).add(adapter_name, is_trainable, gradient_accumulation_steps)
-        if isinstance(config_or_dir, str | os.PathLike):
-            raise ValueError(
-                f"config_or_dir={os.fspath(config_or_dir)!r}: continuing an adapter from a peft "
-                "directory is not supported on MegatronModel yet; pass a LoraConfig (a new "
-                "adapter), or continue it with TransformersModel"
-            )
-        self._check_unbuilt("add_adapter_to_model")
-        self._model = tf.lora.add_lora(self._model, config_or_dir, adapter_name)
-        self._group = g
-
-    @remote_function(execute="all", sync=True)
-    def save(
-        self,
-        name: str | None = None,
-        output_dir: str | os.PathLike[str] | None = None,
-        interval: int = 1,
-        save_optimizer: bool = False,
-        consumed_train_samples: int = 0,
-        adapter_name: str | None = None,
-    ) -> str | None:
-        """Save to ``output_dir/name`` (default ``output/checkpoint-step-<steps>``) when the
-        step count is a multiple of `interval`; returns the path (None when skipped).
-
-        The full model is a `twinkle_fn.checkpoint`: megatron's dist checkpoint of model,
-        optimizer (whatever `save_optimizer` says), step and RNG states, loadable on another
-        tp / pp / dp mesh, plus the HF weights, config and tokenizer at the top of the
-        directory, and `consumed_train_samples` for `resume_from_checkpoint`. An adapter is a
-        peft directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer).
-        Every rank must call it. Raises ``ValueError`` for `save_optimizer` with an adapter
-        (training states of megatron LoRA are not supported yet) and an unknown adapter.
-        """
-        g = _group.resolve(self._group, adapter_name)
-        if g.name and save_optimizer:
-            raise ValueError(
-                f"save_optimizer=True with adapter {g.name!r}: training states (dist "
-                "checkpoints) of megatron LoRA adapters are not supported yet; save the "
-                "adapter with save_optimizer=False"
-            )
-        state = self._ensure_state()
-        path = _checkpoint.save_path(state, name, output_dir, interval)
-        if path is None:
-            return None
-        tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
-        _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
-        return str(path)
-
-    @remote_function(execute="all", sync=True)
-    def load(
-        self,
-        name: str | os.PathLike[str],
-        output_dir: str | os.PathLike[str] | None = None,
-        load_optimizer: bool = False,
-        adapter_name: str | None = None,
-    ) -> None:
-        """Load a full checkpoint `save` wrote (``output_dir/name``, or `name` itself if it is
-        a directory), saved on any mesh. With `load_optimizer`: the whole training state
-        (model, optimizer, step; RNG states on the mesh it was saved on). Without: the HF
-        weights at the top of the directory only (any HF checkpoint of this model), keeping
-        the optimizer state and step. Every rank must call it.
-
-        Raises ``ValueError`` for a model that trains an adapter (loading adapters is not
-        supported on MegatronModel yet), a missing directory, one without HF weights or (with
-        `load_optimizer`) without a complete megatron checkpoint; the bridge's errors for
-        another model's weights.
-        """
-        g = _group.resolve(self._group, adapter_name)
-        if g.name:
-            raise ValueError(
-                f"load with adapter {g.name!r}: loading adapters into MegatronModel is not "
-                "supported yet; load full-model checkpoints into a MegatronModel without one"
-            )
-        path = _checkpoint.checkpoint_dir(name, output_dir)
-        state = self._ensure_state()
-        if load_optimizer:
-            self._state = tf.checkpoint.load(state, path)
-        else:
-            tf.checkpoint.load_weights(state, path)
-
-    @remote_function(execute="all", sync=True)
-    def resume_from_checkpoint(
-        self,
-        checkpoint_dir: str | os.PathLike[str],
-        *,
-        resume_only_model: bool = False,
-        adapter_name: str | None = None,
-    ) -> dict[str, int]:
-        """Restore a full `save` checkpoint (saved on any mesh): weights, and unless
-        `resume_only_model` the optimizer state, step and schedule. Returns ``cur_step``,
-        ``consumed_train_samples`` and ``gradient_accumulation_steps`` as saved (feed the
-        count to ``DataLoader.resume_from_checkpoint``). Raises as `load` does."""
-        g = _group.resolve(self._group, adapter_name)
-        path = _checkpoint.checkpoint_dir(checkpoint_dir, None)
-        self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
-        info = _checkpoint.resume_info(path, g.name)
-        g.gradient_accumulation_steps = info["gradient_accumulation_steps"]
-        return info
-
-    @remote_function(collect="first")
-    def get_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
-        """Whole CPU tensors of what the model trains: every weight by HF name, or with an
-        adapter its tensors keyed as in a peft adapter file. A collective on several ranks.
-        Raises ``ValueError`` for an unknown adapter."""
-        _group.resolve(self._group, adapter_name)
-        return tf.unshard(self._ensure_state())
-
-    @remote_function(execute="first")
-    def get_train_configs(self, adapter_name: str | None = None) -> str:
-        """A readable summary of how this model trains."""
-        g = _group.resolve(self._group, adapter_name)
-        lines = [
-            f"model: {self.model_id or 'from config'} ({self._model.family}, megatron-core)",
-            f"device_mesh: {self.device_mesh}",
-            f"mixed_precision: {self.mixed_precision}",
-            f"megatron options: {dict(self._model.options)}",
-            *_group.describe(g),
-        ]
-        return "\n".join(lines)
 
 
 _TOGETHER = (

@@ -62,3 +62,17 @@ def test_checkpoint_keeps_the_loss_scale(tmp_path):
     tf.checkpoint.save(state, tmp_path / "c")
     loaded = tf.checkpoint.load(_fp16_state(), tmp_path / "c")
     assert float(loaded.loss_scale.scale) == 1024.0 and int(loaded.loss_scale.good_steps) == 1
+
+
+def test_grad_norm_divides_the_loss_scale_out():
+    """tf.grad_norm of loss-scaled fp16 gradients is the norm tf.step reports for them (the
+    scale and the token count divided out), and the fp32 gradients' up to fp16 rounding."""
+    batch = pack(random_features(4, seed=5))
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        state = _fp16_state(loss_scale=2.0**10, precision=precision)
+        grads, _ = tf.fwd_bwd(state, batch)
+        norms[precision] = float(tf.grad_norm(state, grads))
+        _, info = tf.step(state, grads)
+        assert norms[precision] == pytest.approx(float(info["grad_norm"]), rel=1e-6)
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-3)

@@ -1,0 +1,354 @@
+"""`TrainableModel`: what `TransformersModel` and `MegatronModel` share.
+
+Both keep their optimizer groups in `_group.Groups` (the full model ``''``, or LoRA adapters),
+each with a train state and pending gradients, and train through the same calls: a group's
+update comes once exactly ``gradient_accumulation_steps`` micro-batches are pending; metrics,
+checkpoints, templates and processors work the same way. A subclass says how it differs:
+
+- ``_ensure_state(g)`` builds (or brings back) group `g`'s train state, ``_update(g)`` makes
+  one update from its pending gradients;
+- ``_check_clip`` refuses the clipping it does not do (base: a norm other than L2);
+- ``_REFUSED`` names the features it refuses and why (`_check_supported`, the one place each
+  is refused); ``_built`` says when its settings are frozen;
+- ``_config_lines`` adds its own lines to `get_train_configs`.
+
+The ``remote_function`` policies recorded here hold for the subclasses (the Ray engine finds
+inherited methods too); the subclasses carry ``remote_class``.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from peft import LoraConfig
+
+import twinkle_fn as tf
+from twinkle.device_mesh import DeviceMesh
+from twinkle.infra import remote_function, settings
+from twinkle.model import _build, _checkpoint, _group, _inputs, optim
+from twinkle.model._inputs import Batch
+from twinkle.processor import InputProcessor
+
+
+class TrainableModel(abc.ABC):
+    """The training calls, settings and checkpoints that both model classes share."""
+
+    # Feature -> why this class refuses it, for `_check_supported`: ``second_adapter``,
+    # ``adapter_dir`` (continuing an adapter from a peft directory), ``adapter_load``,
+    # ``adapter_state`` (an adapter's training state, save_optimizer=True).
+    _REFUSED: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(
+        self,
+        model_id: str | os.PathLike[str] | None,
+        device_mesh: DeviceMesh | None,
+        mixed_precision: str,
+        kwargs: dict[str, Any],
+        optimizer: optim.OptimizerSpec | None = None,
+    ) -> None:
+        """The shared setup: checks `mixed_precision`, joins the world of `device_mesh` (see
+        `_build.device_mesh`), pops ``tokenizer_id`` and ``seed`` from `kwargs`, and starts
+        the full-model group (with `optimizer`, default AdamW). Raises ``ValueError`` for an
+        unknown precision and a mesh that does not match the world."""
+        _build.check_precision(mixed_precision)
+        self.device_mesh = _build.device_mesh(device_mesh)
+        self.mixed_precision = mixed_precision
+        self.model_id = None if model_id is None else os.fspath(model_id)
+        self.tokenizer_id = kwargs.pop("tokenizer_id", self.model_id)
+        self._seed = kwargs.pop("seed", settings().seed)
+        group = _group.Group(processor=InputProcessor(self.device_mesh))
+        if optimizer is not None:
+            group.optimizer = optimizer
+        self._groups = _group.Groups(group)
+
+    # What a subclass supplies.
+    @abc.abstractmethod
+    def _ensure_state(self, g: _group.Group) -> tf.TrainState:
+        """Group `g`'s train state, built (or brought back) first if needed."""
+
+    @abc.abstractmethod
+    def _update(self, g: _group.Group) -> None:
+        """One update of group `g` from its pending gradients (clipped to ``g.pending.clip``
+        where the class clips itself); records ``g.pending.last_step``."""
+
+    @abc.abstractmethod
+    def _config_lines(self) -> list[str]:
+        """This class's own lines of `get_train_configs`."""
+
+    def _built(self) -> bool:
+        """Whether the train states exist (settings made before them are frozen then)."""
+        return self._groups.built
+
+    def _check_clip(self, g: _group.Group, max_grad_norm: float, norm_type: float) -> None:
+        """Raises ``ValueError`` for a clipping this class does not do: a norm other than L2."""
+        if norm_type != 2:
+            raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
+
+    def _check_supported(self, feature: str, context: str) -> None:
+        """Raises ``ValueError`` (`context`, then why) when this class refuses `feature`."""
+        why = self._REFUSED.get(feature)
+        if why is not None:
+            raise ValueError(f"{context}: {why}")
+
+    def _check_unbuilt(self, what: str) -> None:
+        """Raises ``ValueError`` once the train states are built: `what` must come first."""
+        if self._built():
+            raise ValueError(
+                f"{what} must be called before the first forward_backward (or forward): the "
+                "train state and its optimizer are built then"
+            )
+
+    # Groups and states.
+    @property
+    def state(self) -> tf.TrainState:
+        """The current `twinkle_fn.TrainState` of the default group (the last adapter added;
+        built on first access, a collective on several ranks). `state_of` gives another
+        adapter's."""
+        return self._ensure_state(self._resolve(None))
+
+    def state_of(self, adapter_name: str | None = None) -> tf.TrainState:
+        """The current `twinkle_fn.TrainState` of adapter `adapter_name` (its weights,
+        optimizer state and step). Raises ``ValueError`` for an unknown adapter."""
+        return self._ensure_state(self._resolve(adapter_name))
+
+    def _resolve(self, adapter_name: str | None) -> _group.Group:
+        return self._groups.resolve(adapter_name)
+
+    def _encode(self, adapter_name: str | None, inputs: Any) -> tuple[_group.Group, Batch]:
+        g = self._resolve(adapter_name)
+        return g, _inputs.encode(g, self.tokenizer_id, inputs)
+
+    def _due(self, g: _group.Group, gradient_accumulation_steps: int | None) -> bool:
+        """Whether group `g`'s pending gradients hold (at least) the micro-batches of one step
+        (`gradient_accumulation_steps`, default the group's)."""
+        return g.pending.due(_group.accumulation_steps(g, gradient_accumulation_steps))
+
+    # Step-side calls.
+    @remote_function(dispatch="all")
+    def clip_grad_and_step(
+        self,
+        max_grad_norm: float = 1.0,
+        norm_type: float = 2,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+    ) -> float | None:
+        """`clip_grad_norm`, `step`, `zero_grad`, `lr_step` after exactly
+        `gradient_accumulation_steps` micro-batches (default: the group's): one update from
+        the gradients clipped to `max_grad_norm`; returns their global norm before clipping,
+        or None while still accumulating. Raises ``ValueError`` for a clipping the class does
+        not do (a norm other than L2; on `MegatronModel` a `max_grad_norm` other than its
+        optimizer's ``clip_grad``), checked on every call."""
+        g = self._resolve(adapter_name)
+        self._check_clip(g, max_grad_norm, norm_type)
+        if not self._due(g, gradient_accumulation_steps):
+            return None
+        g.pending.clip = max_grad_norm
+        self._update(g)
+        return float(g.pending.last_step["grad_norm"])
+
+    @remote_function()
+    def step(
+        self,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """On a step boundary (exactly `gradient_accumulation_steps` micro-batches pending,
+        not yet consumed by an update): one optimizer update from the pending gradients,
+        normalised by all their tokens; otherwise nothing. Raises ``ValueError`` for options
+        such as ``optim_params`` (set them with `set_optimizer`)."""
+        if kwargs:
+            raise ValueError(
+                f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
+                "to change the learning rate or weight decay"
+            )
+        g = self._resolve(adapter_name)
+        if self._due(g, gradient_accumulation_steps):
+            self._update(g)
+
+    @remote_function()
+    def zero_grad(
+        self,
+        adapter_name: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        set_to_none: bool = True,
+    ) -> None:
+        """On a step boundary, drop the pending gradients (after an update there are none)."""
+        g = self._resolve(adapter_name)
+        if self._due(g, gradient_accumulation_steps):
+            g.pending.clear()
+
+    @remote_function()
+    def lr_step(
+        self, adapter_name: str | None = None, gradient_accumulation_steps: int | None = None
+    ) -> None:
+        """Nothing to do: the schedule is a function of the update count, so each update
+        already moves the learning rate on (as a torch scheduler stepped after it would)."""
+        self._resolve(adapter_name)
+
+    @remote_function(collect="first")
+    def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
+        """Training: the last step's ``loss`` (token mean over its micro-batches and data
+        ranks), ``grad_norm``, ``lr``, ``num_tokens`` and ``step``. Evaluation: the token-mean
+        ``loss`` over this rank's `forward_only` calls since the last call (then reset)."""
+        g = self._resolve(adapter_name)
+        return g.pending.metrics() if is_training else _group.pop_eval(g)
+
+    # Settings.
+    @remote_function()
+    def set_loss(self, loss_cls: Any, **kwargs: Any) -> None:
+        """Accepts the cross entropy ('CrossEntropyLoss' / 'cross_entropy'), the only loss of
+        this build (fused into the lm_head). Raises ``ValueError`` for any other loss, or for
+        an ``ignore_index`` other than -100."""
+        self._resolve(kwargs.pop("adapter_name", None))
+        _group.check_loss(loss_cls, kwargs)
+
+    @remote_function()
+    def set_template(self, template_cls: Any = "Template", **kwargs: Any) -> None:
+        """Encode chat trajectories with a `Template` (an instance, or the class / 'Template'
+        built with `kwargs`; ``model_id`` defaults to this model's tokenizer)."""
+        g = self._resolve(kwargs.pop("adapter_name", None))
+        g.template = _inputs.make_group_template(template_cls, self.tokenizer_id, kwargs)
+
+    @remote_function()
+    def set_processor(self, processor_cls: Any = "InputProcessor", **kwargs: Any) -> None:
+        """Collate with an `InputProcessor` (an instance, or the class / 'InputProcessor' built
+        with `kwargs`, e.g. ``padding_free=True``). Raises ``ValueError`` for anything else."""
+        g = self._resolve(kwargs.pop("adapter_name", None))
+        g.processor = _inputs.make_processor(processor_cls, self.device_mesh, kwargs)
+
+    @remote_function(execute="all", sync=True)
+    def add_adapter_to_model(
+        self,
+        adapter_name: str,
+        config_or_dir: LoraConfig | Mapping[str, Any] | str | os.PathLike[str],
+        is_trainable: bool = True,
+        gradient_accumulation_steps: int = 1,
+    ) -> None:
+        """Add LoRA adapter `adapter_name` (a ``LoraConfig``, its fields as a dict, or a peft
+        adapter directory to continue from) as a new optimizer group, the default one from now
+        on (calls without ``adapter_name`` use it). Call it before the first forward_backward.
+
+        The group starts with the settings made before the first adapter was added
+        (optimizer, scheduler, template, processor); change them per adapter with
+        ``adapter_name=``. Raises ``ValueError`` for what the class refuses (`_REFUSED`: on
+        `MegatronModel` a second adapter and a directory), an empty or taken name, a call
+        after the states are built, ``is_trainable=False``, a bad
+        `gradient_accumulation_steps`, and what `twinkle_fn.lora.add_lora` rejects.
+        """
+        if self._groups.adapter_names:
+            trains = f"this model already trains adapter {self._groups.adapter_names[-1]!r}"
+            self._check_supported("second_adapter", trains)
+        if isinstance(config_or_dir, str | os.PathLike):
+            self._check_supported("adapter_dir", f"config_or_dir={os.fspath(config_or_dir)!r}")
+        g = self._groups.add(adapter_name, is_trainable, gradient_accumulation_steps)
+        self._check_unbuilt("add_adapter_to_model")
+        self._model = _checkpoint.add_adapter(self._model, adapter_name, config_or_dir)
+        self._groups.register(g)
+
+    # Checkpoints.
+    @remote_function(execute="all", sync=True)
+    def save(
+        self,
+        name: str | None = None,
+        output_dir: str | os.PathLike[str] | None = None,
+        interval: int = 1,
+        save_optimizer: bool = False,
+        consumed_train_samples: int = 0,
+        adapter_name: str | None = None,
+    ) -> str | None:
+        """Save to ``output_dir/name`` (default ``output/checkpoint-step-<steps>``) when the
+        step count is a multiple of `interval`; returns the path (None when skipped).
+
+        A full model is a `twinkle_fn.checkpoint` (HF weights, config and tokenizer, plus the
+        optimizer state, step and `consumed_train_samples`, whatever `save_optimizer` says; on
+        `MegatronModel` megatron's dist checkpoint, loadable on another tp / pp / dp mesh). An
+        adapter is a peft directory (``adapter_config.json``, ``adapter_model.safetensors``,
+        tokenizer), plus with `save_optimizer` a ``train_state/`` checkpoint to resume from.
+        Every rank must call it. Raises ``ValueError`` for an unknown adapter, and for
+        `save_optimizer` with an adapter where the class refuses it (`MegatronModel`).
+        """
+        g = self._resolve(adapter_name)
+        if g.name and save_optimizer:
+            context = f"save_optimizer=True with adapter {g.name!r}"
+            self._check_supported("adapter_state", context)
+        state = self._ensure_state(g)
+        path = _checkpoint.save_path(state, name, output_dir, interval)
+        if path is None:
+            return None
+        tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
+        _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
+        return str(path)
+
+    @remote_function(execute="all", sync=True)
+    def load(
+        self,
+        name: str | os.PathLike[str],
+        output_dir: str | os.PathLike[str] | None = None,
+        load_optimizer: bool = False,
+        adapter_name: str | None = None,
+    ) -> None:
+        """Load what `save` wrote (``output_dir/name``, or `name` itself if it is a
+        directory). Without `load_optimizer`: the weights alone (a full model's HF weights at
+        the top of the directory, any HF checkpoint of this model; or the adapter's), keeping
+        the optimizer state and step. With it: the whole training state (weights, optimizer,
+        step). Every rank must call it. Raises ``ValueError`` for a missing or incompatible
+        checkpoint, and for an adapter where the class refuses loading one (`MegatronModel`).
+        """
+        g = self._resolve(adapter_name)
+        if g.name:
+            self._check_supported("adapter_load", f"load with adapter {g.name!r}")
+        path = _checkpoint.checkpoint_dir(name, output_dir)
+        state = self._ensure_state(g)
+        others = [o.state for o in self._groups if o is not g and o.state is not None]
+        g.state = _checkpoint.load(
+            state, path, adapter_name=g.name, load_optimizer=load_optimizer, others=others
+        )
+
+    @remote_function(execute="all", sync=True)
+    def resume_from_checkpoint(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        *,
+        resume_only_model: bool = False,
+        adapter_name: str | None = None,
+    ) -> dict[str, int]:
+        """Restore a `save(save_optimizer=True)` checkpoint (a full one saved on any mesh):
+        weights, and unless `resume_only_model` the optimizer state, step and schedule.
+        Returns ``cur_step``, ``consumed_train_samples`` and ``gradient_accumulation_steps``
+        as saved (feed the count to ``DataLoader.resume_from_checkpoint``). Raises as `load`
+        does, and for a directory without a training state."""
+        g = self._resolve(adapter_name)
+        path = _checkpoint.checkpoint_dir(checkpoint_dir, None)
+        self.load(path, load_optimizer=not resume_only_model, adapter_name=adapter_name)
+        info = _checkpoint.resume_info(path, g.name)
+        g.gradient_accumulation_steps = info["gradient_accumulation_steps"]
+        return info
+
+    @remote_function(collect="first")
+    def get_state_dict(self, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+        """What adapter `adapter_name` (default: the last added; the whole model without
+        adapters) trains, as whole tensors: every weight by name, or the adapter's (keyed
+        ``...lora_A.<adapter name>.weight`` on `TransformersModel`, as in a peft adapter file
+        on `MegatronModel`). A collective on several ranks. Raises ``ValueError`` for an
+        unknown adapter, listing the adapters there are."""
+        return tf.unshard(self._ensure_state(self._resolve(adapter_name)))
+
+    @remote_function(execute="first")
+    def get_train_configs(self, adapter_name: str | None = None) -> str:
+        """A readable summary of how this model trains."""
+        g = self._resolve(adapter_name)
+        lines = [
+            f"model: {self.model_id or 'from config'} ({self._model.family}, "
+            f"{self._model.backend} backend)",
+            f"device_mesh: {self.device_mesh}",
+            f"mixed_precision: {self.mixed_precision}",
+            *self._config_lines(),
+            f"adapters: {self._groups.adapter_names or 'none'}",
+            *_group.describe(g),
+        ]
+        return "\n".join(lines)
