@@ -9,18 +9,24 @@ known ones rather than failing deep inside a parallel wrapper.
 
 Adding a family
 ---------------
-1. Add its row to `_ROWS` below. The projections are named as in Llama (``self_attn.q_proj``,
-   ``mlp.gate_proj``...; MoE experts as the row's `Moe` names them), which is what both
-   backends' tables are written against; only a family whose tensors are laid out differently
-   (fused qkv, other norms, a bias on the router...) also needs new rules in
-   ``twinkle_fn/backends/megatron/bridge_rules.py`` and, for its plan, real submodule names.
-2. Add its tiny config to ``_EXTRA`` in ``twinkle_fn/testing.py`` so that the parametrised
-   tests (``twinkle_fn/models/families_test.py`` checks the row against what transformers
-   builds) cover it.
+A new family touches exactly two files:
 
-No other file changes. A row can be tried out without editing this module: `registered(row)`
-makes it known inside a ``with`` block only (the row of a copied config, see
-``families_test.py``).
+1. ``twinkle_fn/models/families.py`` (this module): its `Family` row in `_ROWS`. Every field is
+   required; `families_test.py` checks each against the model transformers builds (plan entries
+   are real linears, biases and q/k norms exist exactly where the row says, the MoE-layer rule
+   matches the layers that have experts, the window field windows attention...).
+2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA``, which puts it under every test
+   parametrised over `FAMILIES` (among them the megatron bridge round trip, megatron-vs-HF
+   logits and config tests, and the transformers backend's input and attention tests).
+
+That holds while its tensors are laid out as Llama's (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``/``post_attention_layernorm``, RMSNorm; the MoE
+router and experts wherever its `Moe` names them), which the megatron bridge's rules are written
+against. Only a new tensor layout (a fused qkv, LayerNorm, a bias on the router...) also needs
+new rules in ``twinkle_fn/backends/megatron/bridge_rules.py``.
+
+To try a row without editing this module, `registered(row)` makes it known inside a ``with``
+block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
 """
 
 from __future__ import annotations
