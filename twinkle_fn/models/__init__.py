@@ -1,6 +1,6 @@
 """Model construction: HF configs and checkpoints of the supported families."""
 
-from twinkle_fn.models.families import FAMILIES, family_of
+from twinkle_fn.models.families import FAMILIES, Family, family, family_of, registered
 from twinkle_fn.models.model import (
     Model,
     from_hf_config,
@@ -10,9 +10,12 @@ from twinkle_fn.models.model import (
 
 __all__ = [
     "FAMILIES",
+    "Family",
     "Model",
+    "family",
     "family_of",
     "from_hf_config",
     "from_pretrained",
+    "registered",
     "resolve_model_dir",
 ]

@@ -1,15 +1,284 @@
-"""The model families the core knows, keyed by the HF config's ``model_type``.
+"""The model families the core knows: one `Family` row each, keyed by the HF ``model_type``.
 
-A family is more than "transformers can build it": later backends attach a sharding plan and a
-Megatron bridge to each entry, so an unknown family is refused up front with the list of known ones
-rather than failing deep inside a parallel wrapper.
+A row holds every fact about a family that a backend needs and the HF config does not say: the
+tensor-parallel plan, which projections carry biases, q/k norms, the mixture-of-experts layout and
+which layers are MoE, how the decoder takes its masks, the config field of a sliding window, the
+rotary layout and whether the transformers backend can run sequence parallelism. Backends read
+rows (`family`), never family names, so an unknown family is refused up front with the list of
+known ones rather than failing deep inside a parallel wrapper.
+
+Adding a family
+---------------
+A new family touches exactly two files:
+
+1. ``twinkle_fn/models/families.py`` (this module): its `Family` row in `_ROWS`. Every field is
+   required; `families_test.py` checks each against the model transformers builds (plan entries
+   are real linears, biases and q/k norms exist exactly where the row says, the MoE-layer rule
+   matches the layers that have experts, the window field windows attention...).
+2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA``, which puts it under every test
+   parametrised over `FAMILIES` (among them the megatron bridge round trip, megatron-vs-HF
+   logits and config tests, and the transformers backend's input and attention tests).
+
+That holds while its tensors are laid out as Llama's (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``/``post_attention_layernorm``, RMSNorm; the MoE
+router and experts wherever its `Moe` names them), which the megatron bridge's rules are written
+against. Only a new tensor layout (a fused qkv, LayerNorm, a bias on the router...) also needs
+new rules in ``twinkle_fn/backends/megatron/bridge_rules.py``.
+
+To try a row without editing this module, `registered(row)` makes it known inside a ``with``
+block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
+
 from transformers import PretrainedConfig
 
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+COLWISE, ROWWISE = "colwise", "rowwise"
+TP_STYLES = (COLWISE, ROWWISE)
+# HF's ``rotate_half`` pairs dimension i with i + head_dim / 2 (megatron: not interleaved);
+# "interleaved" pairs neighbouring dimensions (GPT-J; megatron's ``rotary_interleaved``).
+ROPE_KINDS = ("rotate_half", "interleaved")
+BIAS_PARTS = ("qkv", "o", "mlp")
+
+# A switch: always on (True), always off (False), or the name of the HF config field that sets it.
+Flag = bool | str
+
+
+def flag_on(flag: Flag, config: PretrainedConfig) -> bool:
+    """Whether `flag` is on for `config` (a named field that `config` lacks is off)."""
+    return flag if isinstance(flag, bool) else bool(getattr(config, flag, False))
+
+
+@dataclasses.dataclass(frozen=True)
+class Moe:
+    """Where a family keeps its routed experts and which decoder layers have them.
+
+    `layers`: THE rule of which decoder layers are MoE, a function of the HF config returning
+    their indices in increasing order (the others are dense MLPs). `router`: the decoder-layer
+    submodule of the router linear (its ``.weight`` is ``[experts, hidden]``). `experts`: the
+    decoder-layer submodule of the experts; checkpoints store expert ``e``'s linears as
+    ``{experts}.{e}.{name}.weight`` with the names `expert_linears` (gate, up, down).
+    `num_experts`, `top_k` and `ffn` name the config fields of the expert count, the experts
+    per token and one expert's intermediate size; `renormalize` says whether the top-k routing
+    weights are renormalised to sum to 1.
+    """
+
+    layers: Callable[[PretrainedConfig], tuple[int, ...]]
+    router: str
+    experts: str
+    expert_linears: tuple[str, str, str]
+    num_experts: str
+    top_k: str
+    ffn: str
+    renormalize: Flag
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Everything a backend needs to know about one model family (one row of the table).
+
+    `name`: the HF ``model_type``. `tp_plan`: decoder-layer submodule -> ``"colwise"`` (output
+    features split over tp) or ``"rowwise"`` (input features split, outputs summed); MoE experts
+    are left out (they stay whole under tp). `qkv_bias`, `o_bias`, `mlp_bias`: whether the q/k/v,
+    output and dense MLP projections carry biases (`Flag`). `qk_norm`: RMSNorms on each head's
+    queries and keys (``self_attn.q_norm`` / ``k_norm``). `moe`: the experts' layout, None for a
+    dense family. `mask_mapping`: the decoder takes ready-made masks as ``{layer type: mask}``
+    (``{"full_attention": None}`` skips transformers' mask building). `sliding_window`: the config
+    field whose value (when set) is a window of that many tokens, the query included, in every
+    layer; None when no field means that. `rope`: the rotary layout (`ROPE_KINDS`).
+    `sequence_parallel`: the transformers backend can add sequence parallelism to the tp plan
+    (that needs the MLP to end in a rowwise linear). Raises ``ValueError`` for a style, rope
+    kind or bias flag outside those listed.
+    """
+
+    name: str
+    tp_plan: Mapping[str, str] = dataclasses.field(hash=False)
+    qkv_bias: Flag
+    o_bias: Flag
+    mlp_bias: Flag
+    qk_norm: bool
+    moe: Moe | None
+    mask_mapping: bool
+    sliding_window: str | None
+    rope: str
+    sequence_parallel: bool
+
+    def __post_init__(self) -> None:
+        bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
+        if bad:
+            raise ValueError(f"family {self.name!r}: tp_plan styles {bad} are not in {TP_STYLES}")
+        if self.rope not in ROPE_KINDS:
+            raise ValueError(f"family {self.name!r}: rope {self.rope!r} is not in {ROPE_KINDS}")
+        for part in BIAS_PARTS:
+            flag = getattr(self, f"{part}_bias")
+            if not isinstance(flag, bool | str) or flag == "":
+                raise ValueError(
+                    f"family {self.name!r}: {part}_bias={flag!r}; use True, False or a config field"
+                )
+        # Read-only, so that no caller edits the table through a row.
+        object.__setattr__(self, "tp_plan", MappingProxyType(dict(self.tp_plan)))
+
+    def has_bias(self, part: str, config: PretrainedConfig) -> bool:
+        """Whether projection `part` (``"qkv"``, ``"o"`` or ``"mlp"``) has biases under `config`.
+
+        Raises ``ValueError`` for another `part`.
+        """
+        if part not in BIAS_PARTS:
+            raise ValueError(f"bias part {part!r} is not one of {BIAS_PARTS}")
+        return flag_on(getattr(self, f"{part}_bias"), config)
+
+    def moe_layers(self, config: PretrainedConfig) -> tuple[int, ...]:
+        """The indices of `config`'s MoE decoder layers, increasing; () for a dense family."""
+        return () if self.moe is None else self.moe.layers(config)
+
+    def window(self, config: PretrainedConfig) -> int | None:
+        """`config`'s sliding window in tokens (the query included), or None for full attention
+        (no window field, or the field unset)."""
+        if self.sliding_window is None:
+            return None
+        return getattr(config, self.sliding_window, None) or None
+
+
+def sparse_step_moe_layers(config: PretrainedConfig) -> tuple[int, ...]:
+    """Qwen3-MoE's MoE layers (transformers' rule): layer ``i`` unless it is in
+    ``mlp_only_layers``, when ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``."""
+    if not getattr(config, "num_experts", 0):
+        return ()
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    layers = range(config.num_hidden_layers)
+    return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+
+
+_ATTENTION = {
+    "self_attn.q_proj": COLWISE,
+    "self_attn.k_proj": COLWISE,
+    "self_attn.v_proj": COLWISE,
+    "self_attn.o_proj": ROWWISE,
+}
+_MLP = {"mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
+
+_ROWS = (
+    Family(
+        name="llama",
+        tp_plan={**_ATTENTION, **_MLP},
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias="mlp_bias",
+        qk_norm=False,
+        moe=None,
+        mask_mapping=False,
+        sliding_window=None,
+        rope="rotate_half",
+        sequence_parallel=True,
+    ),
+    Family(
+        name="mistral",
+        tp_plan={**_ATTENTION, **_MLP},
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        moe=None,
+        mask_mapping=False,
+        sliding_window="sliding_window",
+        rope="rotate_half",
+        sequence_parallel=True,
+    ),
+    Family(
+        name="qwen2",
+        tp_plan={**_ATTENTION, **_MLP},
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        moe=None,
+        mask_mapping=True,
+        # Qwen2/Qwen3 windows are per layer (use_sliding_window, max_window_layers)
+        sliding_window=None,
+        rope="rotate_half",
+        sequence_parallel=True,
+    ),
+    Family(
+        name="qwen3",
+        tp_plan={**_ATTENTION, **_MLP},
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        moe=None,
+        mask_mapping=True,
+        sliding_window=None,
+        rope="rotate_half",
+        sequence_parallel=True,
+    ),
+    Family(
+        name="qwen3_moe",
+        # Dense layers (mlp_only_layers) keep their MLP whole too: one plan serves every layer.
+        tp_plan=dict(_ATTENTION),
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        moe=Moe(
+            layers=sparse_step_moe_layers,
+            router="mlp.gate",
+            experts="mlp.experts",
+            expert_linears=("gate_proj", "up_proj", "down_proj"),
+            num_experts="num_experts",
+            top_k="num_experts_per_tok",
+            ffn="moe_intermediate_size",
+            renormalize="norm_topk_prob",
+        ),
+        mask_mapping=False,
+        # transformers leaves it None unless use_sliding_window (then every layer has it).
+        sliding_window="sliding_window",
+        rope="rotate_half",
+        sequence_parallel=False,
+    ),
+)
+_BUILTIN: Mapping[str, Family] = MappingProxyType({row.name: row for row in _ROWS})
+
+FAMILIES: tuple[str, ...] = tuple(_BUILTIN)
+
+# Rows made known by `registered`, for the current thread or task only.
+_SCOPED: contextvars.ContextVar[Mapping[str, Family]] = contextvars.ContextVar(
+    "twinkle_fn_scoped_families", default=MappingProxyType({})
+)
+
+
+def _table() -> Mapping[str, Family]:
+    return {**_BUILTIN, **_SCOPED.get()}
+
+
+def known() -> tuple[str, ...]:
+    """The names of the families known here: `FAMILIES`, then any `registered` inside a block."""
+    return tuple(_table())
+
+
+@contextlib.contextmanager
+def registered(*rows: Family) -> Iterator[None]:
+    """Within the ``with`` block, `family` and `family_of` also know `rows` (a row named like a
+    known family replaces it); afterwards the table is as before.
+
+    The rows are known to the thread (or asyncio task) that entered the block, which is where
+    twinkle's single-process `init`/`fwd_bwd`/`step` run; other processes never see them.
+    Raises ``ValueError`` when two of `rows` share a name.
+    """
+    names = [row.name for row in rows]
+    if len(set(names)) != len(names):
+        raise ValueError(f"registered rows share a name: {names}")
+    token = _SCOPED.set(MappingProxyType({**_SCOPED.get(), **{r.name: r for r in rows}}))
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
 
 
 def family_of(config: PretrainedConfig) -> str:
@@ -18,9 +287,26 @@ def family_of(config: PretrainedConfig) -> str:
     Raises ``ValueError`` naming the model type and the supported families when it is unknown.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    table = _table()
+    if model_type not in table:
         raise ValueError(
             f"unknown model family {model_type!r} (config.model_type); twinkle supports "
-            f"{', '.join(FAMILIES)}. Use a config of one of these families."
+            f"{', '.join(table)}. Use a config of one of these families."
         )
     return model_type
+
+
+def family(name_or_config: str | PretrainedConfig) -> Family:
+    """The row of a family, by name or by an HF config of it.
+
+    Raises ``ValueError`` naming the known families when it is unknown (for a config, also its
+    ``model_type`` field, as `family_of` does).
+    """
+    if isinstance(name_or_config, str):
+        table = _table()
+        if name_or_config not in table:
+            raise ValueError(
+                f"unknown model family {name_or_config!r}; twinkle supports {', '.join(table)}"
+            )
+        return table[name_or_config]
+    return _table()[family_of(name_or_config)]

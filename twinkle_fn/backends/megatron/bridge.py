@@ -36,7 +36,6 @@ from twinkle_fn.backends.megatron.bridge_rules import (
     LM_HEAD,
     MLP,
     MLP_BIAS,
-    MOE,
     O_BIAS,
     O_PROJ,
     POST_ATTN_NORM,
@@ -57,6 +56,7 @@ from twinkle_fn.backends.megatron.bridge_rules import (
     _Slot,
     _slots,
     moe_layers,
+    moe_rules,
     rules_for,
 )
 from twinkle_fn.backends.megatron.bridge_transforms import (
@@ -79,7 +79,6 @@ __all__ = [
     "LM_HEAD",
     "MLP",
     "MLP_BIAS",
-    "MOE",
     "O_BIAS",
     "O_PROJ",
     "POST_ATTN_NORM",
@@ -98,6 +97,7 @@ __all__ = [
     "join_shards",
     "mcore_to_hf",
     "moe_layers",
+    "moe_rules",
     "rules_for",
 ]
 

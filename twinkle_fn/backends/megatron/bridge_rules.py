@@ -1,9 +1,11 @@
 """The HF <-> megatron-core bridge tables and where they place tensors.
 
-One table of `Rule` rows per model family (`rules_for`), which layers are routed-MoE
-(`moe_layers`), the model and parallel layout the tables are laid out over, and the expansion of
-a table into the concrete tensors of one pipeline stage and expert-parallel rank. The functions
-that move tensors (`hf_to_mcore`, `mcore_to_hf`) live in `twinkle_fn.backends.megatron.bridge`.
+One table of `Rule` rows per model family (`rules_for`, assembled from the family's row in
+`twinkle_fn.models.families`: biases, q/k norms, the MoE layout), which layers are routed-MoE
+(`moe_layers`, the row's rule), the model and parallel layout the tables are laid out over,
+and the expansion of a table into the concrete tensors of one pipeline stage and
+expert-parallel rank. The functions that move tensors (`hf_to_mcore`, `mcore_to_hf`) live in
+`twinkle_fn.backends.megatron.bridge`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from twinkle_fn.models.families import family_of
+from twinkle_fn.models.families import Moe, family
 
 TRANSFORMS: dict[str, int] = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
 STAGES = ("first", "layer", "last")
@@ -65,7 +67,7 @@ class Rule:
 
 
 _L, _M = "model.layers.{layer}.", "decoder.layers.{layer}."
-_HF_EXPERT, _MC_EXPERT = _L + "mlp.experts.{expert}.", _M + "mlp.experts.local_experts.{expert}."
+_MC_EXPERT = _M + "mlp.experts.local_experts.{expert}."
 
 
 def _qkv(suffix: str) -> tuple[str, ...]:
@@ -109,23 +111,6 @@ MLP_BIAS = (
     ),
     Rule((_L + "mlp.down_proj.bias",), _M + "mlp.linear_fc2.bias", "copy", None, layers="dense"),
 )
-MOE = (
-    Rule((_L + "mlp.gate.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
-    Rule(
-        (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
-        _MC_EXPERT + "linear_fc1.weight",
-        "gate_up",
-        0,
-        layers="moe",
-    ),
-    Rule(
-        (_HF_EXPERT + "down_proj.weight",),
-        _MC_EXPERT + "linear_fc2.weight",
-        "copy",
-        1,
-        layers="moe",
-    ),
-)
 FINAL_NORM = Rule(
     ("model.norm.weight",), "decoder.final_layernorm.weight", "copy", None, stage="last"
 )
@@ -135,72 +120,44 @@ TIED_LM_HEAD = Rule(
 )
 
 
-@dataclass(frozen=True)
-class _Family:
-    # A bias is always on (True), always off (False), or switched by the named HF config flag.
-    qkv_bias: bool | str
-    o_bias: bool | str
-    mlp_bias: bool | str
-    qk_norm: bool
-    moe: bool
-
-
-_FAMILY_TABLE: dict[str, _Family] = {
-    "llama": _Family("attention_bias", "attention_bias", "mlp_bias", qk_norm=False, moe=False),
-    "mistral": _Family(False, False, False, qk_norm=False, moe=False),
-    "qwen2": _Family(True, False, False, qk_norm=False, moe=False),
-    "qwen3": _Family("attention_bias", "attention_bias", False, qk_norm=True, moe=False),
-    "qwen3_moe": _Family("attention_bias", "attention_bias", False, qk_norm=True, moe=True),
-}
-
-
-def _family(hf_config: PretrainedConfig) -> _Family:
-    family = family_of(hf_config)
-    if family not in _FAMILY_TABLE:
-        raise ValueError(
-            f"model family {family!r} has no Megatron bridge; bridged families: "
-            f"{', '.join(_FAMILY_TABLE)}"
-        )
-    return _FAMILY_TABLE[family]
+def moe_rules(moe: Moe) -> tuple[Rule, ...]:
+    """The rules of an MoE layer's router and experts, named as `moe` lays them out in HF
+    checkpoints (one tensor per expert)."""
+    gate, up, down = (f"{_L}{moe.experts}.{{expert}}.{name}.weight" for name in moe.expert_linears)
+    return (
+        Rule((f"{_L}{moe.router}.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
+        Rule((gate, up), _MC_EXPERT + "linear_fc1.weight", "gate_up", 0, layers="moe"),
+        Rule((down,), _MC_EXPERT + "linear_fc2.weight", "copy", 1, layers="moe"),
+    )
 
 
 def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
     """The bridge table of `hf_config`'s family, in HF checkpoint order.
 
-    Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the config.
-    Raises ``ValueError`` for a family without a bridge (naming the bridged ones).
+    Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the family's
+    row (`twinkle_fn.models.families`) and the config. Raises ``ValueError`` for an unknown
+    family (naming the known ones).
     """
-    fam = _family(hf_config)
-
-    def on(flag: bool | str) -> bool:
-        return flag if isinstance(flag, bool) else bool(getattr(hf_config, flag, False))
-
+    fam = family(hf_config)
     rules = [EMBEDDING, INPUT_NORM, QKV]
-    rules += [QKV_BIAS] if on(fam.qkv_bias) else []
+    rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
     rules += QK_NORM if fam.qk_norm else ()
     rules += [O_PROJ]
-    rules += [O_BIAS] if on(fam.o_bias) else []
+    rules += [O_BIAS] if fam.has_bias("o", hf_config) else []
     rules += [POST_ATTN_NORM, *MLP]
-    rules += MLP_BIAS if on(fam.mlp_bias) else ()
-    rules += MOE if fam.moe else ()
+    rules += MLP_BIAS if fam.has_bias("mlp", hf_config) else ()
+    rules += moe_rules(fam.moe) if fam.moe is not None else ()
     rules += [FINAL_NORM, TIED_LM_HEAD if hf_config.tie_word_embeddings else LM_HEAD]
     return rules
 
 
 def moe_layers(hf_config: PretrainedConfig) -> tuple[bool, ...]:
-    """Per global layer, whether it is a routed-MoE layer (transformers' Qwen3-MoE rule).
+    """Per global layer, whether it is a routed-MoE layer (the family's `Moe.layers` rule).
 
-    A layer is MoE unless it is in ``mlp_only_layers``, when ``num_experts > 0`` and
-    ``(layer + 1) % decoder_sparse_step == 0``. Dense families give all ``False``. Raises
-    ``ValueError`` for a family without a bridge.
+    Dense families give all ``False``. Raises ``ValueError`` for an unknown family.
     """
-    layers = hf_config.num_hidden_layers
-    if not _family(hf_config).moe:
-        return (False,) * layers
-    only = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    experts = hf_config.num_experts
-    return tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    moe = set(family(hf_config).moe_layers(hf_config))
+    return tuple(i in moe for i in range(hf_config.num_hidden_layers))
 
 
 @dataclass(frozen=True)
@@ -230,6 +187,7 @@ def _model(hf_config: PretrainedConfig) -> _Model:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = moe_layers(hf_config)
+    layout = family(hf_config).moe
     return _Model(
         heads=heads,
         kv_heads=kv_heads,
@@ -237,8 +195,8 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         vocab=hf_config.vocab_size,
         layers=hf_config.num_hidden_layers,
         ffn=hf_config.intermediate_size,
-        moe_ffn=getattr(hf_config, "moe_intermediate_size", 0) if any(moe) else 0,
-        experts=getattr(hf_config, "num_experts", 0) if any(moe) else 0,
+        moe_ffn=getattr(hf_config, layout.ffn) if any(moe) else 0,
+        experts=getattr(hf_config, layout.num_experts) if any(moe) else 0,
         moe=moe,
     )
 

@@ -17,11 +17,8 @@ from megatron.core.transformer import TransformerConfig
 from transformers import PretrainedConfig
 
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models import family_of
+from twinkle_fn.models.families import Family, family, flag_on
 
-_MOE_FAMILIES = ("qwen3_moe",)
-_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-_QKV_BIAS_FAMILIES = ("qwen2",)
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
 
@@ -33,27 +30,22 @@ def _require_divides(size: int, axis: str, count: int, what: str) -> None:
         )
 
 
-def _moe_layer_pattern(hf_config: PretrainedConfig) -> list[int]:
-    """1 for each MoE layer, 0 for each dense one (Qwen3-MoE's ``mlp_only_layers`` and step)."""
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-    return [int(i not in dense and (i + 1) % step == 0) for i in range(hf_config.num_hidden_layers)]
-
-
-def _moe_fields(hf_config: PretrainedConfig, mesh: Mesh) -> dict[str, Any]:
-    experts = hf_config.num_experts
+def _moe_fields(hf_config: PretrainedConfig, fam: Family, mesh: Mesh) -> dict[str, Any]:
+    moe = fam.moe
+    experts, ffn = getattr(hf_config, moe.num_experts), getattr(hf_config, moe.ffn)
     _require_divides(mesh.ep, "ep", experts, "experts")
-    _require_divides(mesh.etp, "etp", hf_config.moe_intermediate_size, "expert MLP channels")
-    pattern = _moe_layer_pattern(hf_config)
+    _require_divides(mesh.etp, "etp", ffn, "expert MLP channels")
+    layers = set(fam.moe_layers(hf_config))
+    pattern = [int(i in layers) for i in range(hf_config.num_hidden_layers)]
     aux = bool(getattr(hf_config, "output_router_logits", False))
     return dict(
         num_moe_experts=experts,
         moe_layer_freq=pattern if 0 in pattern else 1,
-        moe_router_topk=hf_config.num_experts_per_tok,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_topk=getattr(hf_config, moe.top_k),
+        moe_ffn_hidden_size=ffn,
         # HF: softmax over all experts, top-k, then renormalise iff norm_topk_prob. Megatron's
         # pre_softmax=False (softmax over the top-k logits) is exactly the renormalised form.
-        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_pre_softmax=not flag_on(moe.renormalize, hf_config),
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux else "none",
         moe_aux_loss_coeff=float(hf_config.router_aux_loss_coef) if aux else 0.0,
@@ -61,20 +53,23 @@ def _moe_fields(hf_config: PretrainedConfig, mesh: Mesh) -> dict[str, Any]:
     )
 
 
-def _linear_bias(hf_config: PretrainedConfig, family: str) -> bool:
+def _linear_bias(hf_config: PretrainedConfig, fam: Family) -> bool:
     """Whether o_proj and the MLP carry biases (megatron's ``add_bias_linear``)."""
-    if family in _QKV_BIAS_FAMILIES:
-        return False
-    attn = bool(getattr(hf_config, "attention_bias", False))
-    mlp = bool(getattr(hf_config, "mlp_bias", False))
-    if attn != mlp or (attn and family in _MOE_FAMILIES):
+    attn, mlp = fam.has_bias("o", hf_config), fam.has_bias("mlp", hf_config)
+    if attn != mlp or (attn and fam.moe is not None):
         # megatron has one switch for o_proj and every MLP linear (experts included).
         raise ValueError(
-            f"attention_bias={attn} with mlp_bias={mlp} is not supported for {family}: "
+            f"{_source(fam.o_bias, 'o_proj bias')}={attn} with "
+            f"{_source(fam.mlp_bias, 'MLP bias')}={mlp} is not supported for {fam.name}: "
             "megatron-core biases o_proj and the MLP together; set both to the same value "
             "(False for mixture-of-experts models)"
         )
     return attn
+
+
+def _source(flag: bool | str, what: str) -> str:
+    """The config field that sets `flag`, else `what` (a bias the family fixes)."""
+    return flag if isinstance(flag, str) else what
 
 
 def _check_supported(hf_config: PretrainedConfig) -> None:
@@ -99,9 +94,9 @@ def transformer_config(
 ) -> TransformerConfig:
     """The ``TransformerConfig`` of `hf_config`'s architecture on `mesh`.
 
-    Llama / Mistral (sliding window) / Qwen2 (qkv bias) / Qwen3 (q/k RMSNorm) / Qwen3-MoE
-    (router + experts, dense layers from ``mlp_only_layers``): GQA, RMSNorm, SwiGLU, linear
-    biases only where HF has them (Llama's ``attention_bias`` + ``mlp_bias``), dropout from the
+    What differs between families comes from the family's row (`twinkle_fn.models.families`):
+    biases, q/k RMSNorms, the sliding window, the rotary layout, MoE router and experts and
+    which layers have them. Common to all: GQA, RMSNorm, SwiGLU, dropout from the
     HF config (0 by default), parallel sizes and sequence parallelism from `mesh`, CPU
     initialisation, per-token loss and variable sequence lengths. With CUDA, fused kernels:
     megatron's compiled SwiGLU (``bias_activation_fusion``) and bias-dropout-add
@@ -114,7 +109,7 @@ def transformer_config(
     architecture option, or a mesh size that does not divide the model (attention heads, kv
     heads and MLP channels by tp, layers by pp, experts by ep; ep > 1 on a dense model).
     """
-    family = family_of(hf_config)
+    fam = family(hf_config)
     unknown = sorted(set(overrides) - _FIELDS)
     if unknown:
         raise ValueError(
@@ -122,7 +117,7 @@ def transformer_config(
             "pass fields of megatron.core.transformer.TransformerConfig"
         )
     _check_supported(hf_config)
-    bias = _linear_bias(hf_config, family)
+    bias = _linear_bias(hf_config, fam)
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     _require_divides(mesh.tp, "tp", heads, "attention heads")
     if groups >= mesh.tp:
@@ -133,16 +128,17 @@ def transformer_config(
             f"tp={mesh.tp} is not a multiple of the {groups} key/value heads of this model; "
             f"use a tp that divides {groups} or is a multiple of it"
         )
-    if family not in _MOE_FAMILIES or 0 in _moe_layer_pattern(hf_config):
+    moe_layers = fam.moe_layers(hf_config)
+    if len(moe_layers) < hf_config.num_hidden_layers:
         _require_divides(mesh.tp, "tp", hf_config.intermediate_size, "MLP channels")
     _require_divides(mesh.pp, "pp", hf_config.num_hidden_layers, "layers")
-    if family not in _MOE_FAMILIES and (mesh.ep > 1 or mesh.etp > 1):
+    if not moe_layers and (mesh.ep > 1 or mesh.etp > 1):
         raise ValueError(
             f"mesh ep={mesh.ep}, etp={mesh.etp} needs a mixture-of-experts model but this "
-            f"{family} model is dense; use ep=1 and etp=1"
+            f"{fam.name} model is dense; use ep=1 and etp=1"
         )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    sliding = getattr(hf_config, "sliding_window", None) if family == "mistral" else None
+    sliding = fam.window(hf_config)
     compute_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else params_dtype
     on_cuda = torch.cuda.is_available()
     fields: dict[str, Any] = dict(
@@ -157,8 +153,9 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=bias,
-        add_qkv_bias=bias or family in _QKV_BIAS_FAMILIES,
-        qk_layernorm=family in _QK_NORM_FAMILIES,
+        add_qkv_bias=fam.has_bias("qkv", hf_config),
+        qk_layernorm=fam.qk_norm,
+        rotary_interleaved=fam.rope == "interleaved",
         # HF's window of W tokens includes the query itself: W - 1 to the left, none right.
         window_size=(sliding - 1, 0) if sliding else None,
         hidden_dropout=0.0,
@@ -188,7 +185,7 @@ def transformer_config(
         # for dense models).
         moe_token_dispatcher_type="alltoall",
     )
-    if family in _MOE_FAMILIES:
-        fields.update(_moe_fields(hf_config, mesh))
+    if moe_layers:
+        fields.update(_moe_fields(hf_config, fam, mesh))
     fields.update(overrides)
     return TransformerConfig(**fields)

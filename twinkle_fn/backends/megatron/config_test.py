@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from twinkle_fn.backends.megatron.config import transformer_config
 from twinkle_fn.backends.megatron.placement import model_placement
 from twinkle_fn.data import pack
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models import FAMILIES
+from twinkle_fn.models import FAMILIES, family, registered
 from twinkle_fn.testing import random_features, tiny_config
 
 _FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "persist_layer_norm")
@@ -199,3 +201,25 @@ def test_fused_kernels_keep_bf16_as_close_to_fp32_as_the_unfused_path(
         errors[fused] = (abs(loss - ref_loss) / ref_loss, float((grads - ref).norm() / ref.norm()))
     for got, unfused in zip(errors[True], errors[False], strict=True):
         assert got <= 2 * unfused + 1e-3, errors
+
+
+def test_the_family_row_is_what_the_config_reads():
+    """A qwen2 copy whose row says interleaved rope, q/k norms and a window field: the config
+    follows the row, not the model_type."""
+    config = tiny_config("qwen2")
+    config.model_type, config.sliding_window = "qwen2_copy", 4
+    row = dataclasses.replace(
+        family("qwen2"),
+        name="qwen2_copy",
+        rope="interleaved",
+        qk_norm=True,
+        sliding_window="sliding_window",
+    )
+    with registered(row):
+        cfg = transformer_config(config, Mesh())
+    assert cfg.rotary_interleaved and cfg.qk_layernorm and cfg.add_qkv_bias
+    assert cfg.window_size == (3, 0)
+    qwen2 = tiny_config("qwen2")
+    qwen2.sliding_window = 4
+    plain = transformer_config(qwen2, Mesh())
+    assert not plain.rotary_interleaved and not plain.qk_layernorm and plain.window_size is None

@@ -16,6 +16,7 @@ from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.megatron.bridge import hf_to_mcore
 from twinkle_fn.backends.megatron.model import build_gpt_model
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import FAMILIES
 from twinkle_fn.testing import tiny_config
 from twinkle_fn.testing_dist import spawn
 
@@ -28,11 +29,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,  # scales 3 of the 4 frequencies of head_dim 8
 }
 CASES = {
-    "llama": ("llama", {}),
-    "mistral": ("mistral", {}),
-    "qwen2": ("qwen2", {}),
-    "qwen3": ("qwen3", {}),
-    "qwen3_moe": ("qwen3_moe", {}),
+    **{family: (family, {}) for family in FAMILIES},
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "llama-rope3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),

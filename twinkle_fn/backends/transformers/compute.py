@@ -21,6 +21,7 @@ from twinkle_fn.backends.transformers.lm_head import loss_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
 from twinkle_fn.losses import LossOutput, supervised_rows
+from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import LCG_INC, Grads, TrainState
 from twinkle_fn.varlen_attention import block_causal_mask
@@ -70,10 +71,6 @@ def _to_autocast_dtype(
     return out
 
 
-# Families whose decoder takes its attention masks ready-made, as ``{layer type: mask}``.
-MASK_MAPPING_FAMILIES = frozenset({"qwen2", "qwen3"})
-
-
 def model_inputs(
     batch: Mapping[str, torch.Tensor],
     device: torch.device,
@@ -86,9 +83,9 @@ def model_inputs(
     ``0 .. T-1``), neither is passed: the decoder's defaults give the same result, and
     transformers would otherwise inspect them on the device (for padding, or for packed
     sequences), a host sync in every forward that lets the GPU run dry while the host catches
-    up. Without them transformers still inspects the positions it makes itself; a decoder of
-    `MASK_MAPPING_FAMILIES` (by `config`) with full attention in every layer is handed its
-    masks instead, ``{"full_attention": None}`` (SDPA's own causal mask), which skips that.
+    up. Without them transformers still inspects the positions it makes itself; a decoder whose
+    family has `Family.mask_mapping` (by `config`), with full attention in every layer, is handed
+    its masks instead, ``{"full_attention": None}`` (SDPA's own causal mask), which skips that.
     A packed row (with ``cu_seqlens``) for a decoder on `attention.NAME` passes its
     boundaries (`attention.packed_kwargs`), so its attention runs a varlen kernel, and a
     mask transformers need not build (the mapping above, or one made on the device from the
@@ -140,7 +137,7 @@ def _takes_causal_mapping(config: PretrainedConfig) -> bool:
     """Whether `config`'s decoder takes ``{"full_attention": None}`` as all its masks."""
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     full = set(layer_types) == {"full_attention"}
-    return config.model_type in MASK_MAPPING_FAMILIES and full
+    return full and family(config).mask_mapping
 
 
 def _plainly_causal(batch: Mapping[str, torch.Tensor], seq: int) -> bool:

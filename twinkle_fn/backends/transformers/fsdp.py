@@ -48,6 +48,7 @@ from twinkle_fn.backends.transformers.plans import (
 )
 from twinkle_fn.distributed import world_size
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
 
 
@@ -183,9 +184,10 @@ def _sp_styles(plan: dict[str, str]) -> dict[str, ParallelStyle]:
 
 
 def _check_sequence_parallel(model: Model) -> None:
-    if model.family == "qwen3_moe":
+    if not family(model.config).sequence_parallel:
         raise ValueError(
-            "sequence_parallel with a MoE model needs the megatron backend; use tp without it here"
+            f"sequence_parallel with a {model.family} model needs the megatron backend (its MLP "
+            "does not end in a rowwise linear); use tp without it here"
         )
     if any("lora_" in n for n, _ in model.module.named_parameters()):
         raise ValueError("sequence_parallel with LoRA adapters is not supported; drop one of them")

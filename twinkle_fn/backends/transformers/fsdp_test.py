@@ -1,12 +1,16 @@
 """The fsdp backend on real gloo ranks: parity with one process, and the specs match the shards."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import twinkle_fn as tf
+from twinkle_fn.backends.transformers.fsdp import _check_sequence_parallel
 from twinkle_fn.backends.transformers.plans import local_specs, param_specs
 from twinkle_fn.data import pack, split_features
 from twinkle_fn.distributed import rank
+from twinkle_fn.models import family, registered
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
 
@@ -205,3 +209,14 @@ def test_only_an_fsdp_axis_reshards_layers_after_forward(name, expected):
     backward comes right after the forward)."""
     for sharded in spawn(_sharded_between_forward_and_backward, 2, MESHES[name]):
         assert sharded == expected
+
+
+def test_sequence_parallel_is_refused_where_the_family_row_says_so():
+    with pytest.raises(ValueError, match="a qwen3_moe model needs the megatron backend"):
+        _check_sequence_parallel(tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0))
+    config = tiny_config("qwen2")
+    _check_sequence_parallel(tf.models.from_hf_config(config, seed=0))
+    config.model_type = "qwen2_no_sp"
+    row = dataclasses.replace(family("qwen2"), name="qwen2_no_sp", sequence_parallel=False)
+    with registered(row), pytest.raises(ValueError, match="a qwen2_no_sp model needs"):
+        _check_sequence_parallel(tf.models.from_hf_config(config, seed=0))

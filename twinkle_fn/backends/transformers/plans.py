@@ -1,10 +1,12 @@
-"""Per-family parallelism plans, as data.
+"""Parallelism plans, as data.
 
-A tensor-parallel plan maps a submodule of a decoder layer to ``"colwise"`` (output features split
-over tp) or ``"rowwise"`` (input features split; the output is summed across tp). `param_specs`
-turns a plan and a mesh into each parameter's sharding: a tuple of `ShardSpec`s applied in order
-(tp first, then FSDP's dim-0 split of the tp-local tensor over ``fsdp``). The FSDP backend shards
-with the same table, so `local_specs` predicts exactly what each rank holds.
+A model's tensor-parallel plan is its family's (`twinkle_fn.models.families.Family.tp_plan`,
+checked against the model's sizes by `tp_plan`): it maps a submodule of a decoder layer to
+``"colwise"`` (output features split over tp) or ``"rowwise"`` (input features split; the
+output is summed across tp). `param_specs` turns a plan and a mesh into each parameter's
+sharding: a tuple of `ShardSpec`s applied in order (tp first, then FSDP's dim-0 split of the
+tp-local tensor over ``fsdp``). The FSDP backend shards with the same table, so `local_specs`
+predicts exactly what each rank holds.
 
 A linear layer that peft wrapped with LoRA (``y = base_layer(x) + lora_B(lora_A(x))``) keeps its
 plan entry: `with_lora` moves it onto ``base_layer`` and splits the adapter factor that sits on
@@ -21,28 +23,8 @@ import torch
 from transformers import PretrainedConfig
 
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import family_of
+from twinkle_fn.models.families import COLWISE, family
 from twinkle_fn.sharding import ShardSpec, local_shard
-
-COLWISE, ROWWISE = "colwise", "rowwise"
-
-_ATTENTION = {
-    "self_attn.q_proj": COLWISE,
-    "self_attn.k_proj": COLWISE,
-    "self_attn.v_proj": COLWISE,
-    "self_attn.o_proj": ROWWISE,
-}
-_MLP = {"mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
-
-# MoE experts stay whole under tp (their inputs are identical on every tp rank); expert
-# parallelism belongs to the Megatron backend.
-TP_PLANS: dict[str, dict[str, str]] = {
-    "llama": {**_ATTENTION, **_MLP},
-    "mistral": {**_ATTENTION, **_MLP},
-    "qwen2": {**_ATTENTION, **_MLP},
-    "qwen3": {**_ATTENTION, **_MLP},
-    "qwen3_moe": dict(_ATTENTION),
-}
 
 # Sequence parallelism (with tp): norms run on this rank's slice of the sequence, and the
 # sequence is gathered into the attention and the MLP and scattered back by their rowwise
@@ -70,9 +52,11 @@ Specs = tuple[ShardSpec, ...]
 def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
     """The tensor-parallel plan of `config`'s family, after checking `tp` divides what it splits.
 
-    Raises ``ValueError`` naming the size that `tp` does not divide.
+    MoE experts stay whole under tp (their inputs are identical on every tp rank); expert
+    parallelism belongs to the Megatron backend. Raises ``ValueError`` naming the size that `tp`
+    does not divide, or for an unknown family.
     """
-    plan = TP_PLANS[family_of(config)]
+    plan = dict(family(config).tp_plan)
     sizes = {
         "attention heads": config.num_attention_heads,
         "key/value heads": getattr(config, "num_key_value_heads", config.num_attention_heads),

@@ -1,16 +1,18 @@
 import pytest
 import torch
 
-from twinkle_fn.backends.transformers.plans import TP_PLANS, local_specs, param_specs, tp_plan
+from twinkle_fn.backends.transformers.plans import local_specs, param_specs, tp_plan
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import FAMILIES, family
 from twinkle_fn.sharding import ShardSpec
 from twinkle_fn.testing import tiny_config
 
 
 def test_every_family_has_a_plan_with_attention_split():
-    for family, plan in TP_PLANS.items():
+    for name in FAMILIES:
+        plan = family(name).tp_plan
         assert plan["self_attn.q_proj"] == "colwise" and plan["self_attn.o_proj"] == "rowwise"
-        tp_plan(tiny_config(family), 2)
+        assert tp_plan(tiny_config(name), 2) == plan
 
 
 def test_specs_follow_the_plan_then_fsdp():
