@@ -8,11 +8,12 @@ copies (``donate=False``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from twinkle_fn import backends, lora
+from twinkle_fn.distributed import gather_tensors, rank, world_size
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
@@ -58,7 +59,15 @@ def init(
     )
 
 
-def shard(state: TrainState, mesh: Mesh) -> TrainState:
+@overload
+def shard(state: TrainState, mesh: Mesh) -> TrainState: ...
+@overload
+def shard(
+    state: Mapping[str, torch.Tensor], mesh: Mesh, model: Model
+) -> dict[str, torch.Tensor]: ...
+def shard(
+    state: TrainState | Mapping[str, torch.Tensor], mesh: Mesh, model: Model | None = None
+) -> TrainState | dict[str, torch.Tensor]:
     """`state` placed on `mesh`: parameters and optimizer state sharded by the family's plan.
 
     On one process, or when `state` already lives on `mesh`, `state` is returned as it is.
@@ -66,7 +75,21 @@ def shard(state: TrainState, mesh: Mesh) -> TrainState:
     each optimizer-state tensor is split exactly like its parameter. Every rank must call it
     with the same full state. Raises ``ValueError`` when the mesh does not match the world, asks
     for axes this backend lacks, or does not divide the model.
+
+    ``shard(params, mesh, model)`` on a bare mapping of whole tensors in HF names (a module's
+    ``state_dict``, a checkpoint's tensors) returns this rank's pieces (rank 0 without a process
+    group), cut by the specs or rules `model`'s backend places with and keyed as a state's
+    ``params`` (megatron: megatron names); no communication. Raises ``TypeError`` without
+    `model` (or with one for a state), ``ValueError`` as above or for a tensor the model lacks.
     """
+    if not isinstance(state, TrainState):
+        if model is None:
+            raise TypeError("tf.shard(params, mesh, model) needs the model the params belong to")
+        if world_size() > 1:
+            mesh.validate(world_size())
+        return backends.get(model.backend).shard_params(state, mesh, model, rank())
+    if model is not None:
+        raise TypeError("tf.shard(state, mesh) takes no model: the state carries its own")
     state.check_alive()
     if mesh.world_size == 1 or state.mesh == mesh:
         return state
@@ -85,11 +108,35 @@ def shard(state: TrainState, mesh: Mesh) -> TrainState:
     return new.replace(step=step.clone(), rng=rng.clone(), loss_scale=ls)
 
 
-def unshard(state: TrainState) -> dict[str, torch.Tensor]:
+@overload
+def unshard(state: TrainState) -> dict[str, torch.Tensor]: ...
+@overload
+def unshard(
+    state: Mapping[str, torch.Tensor], mesh: Mesh, model: Model
+) -> dict[str, torch.Tensor]: ...
+def unshard(
+    state: TrainState | Mapping[str, torch.Tensor],
+    mesh: Mesh | None = None,
+    model: Model | None = None,
+) -> dict[str, torch.Tensor]:
     """The trainable parameters as whole tensors (a collective on several ranks: call it on all).
 
     On one process these are detached views of the state's own tensors.
+
+    ``unshard(local, mesh, model)`` inverts ``shard(params, mesh, model)``: the whole tensors in
+    HF names from every rank's pieces `local` (every rank receives all pieces on the CPU,
+    ``all_gather_object``: for checks and small models). Raises ``TypeError`` without `mesh`
+    and `model` (or with them for a state), ``ValueError`` when the mesh does not match the
+    world or the pieces do not join.
     """
+    if not isinstance(state, TrainState):
+        if mesh is None or model is None:
+            raise TypeError("tf.unshard(local, mesh, model) needs the mesh and model of the pieces")
+        if world_size() > 1:
+            mesh.validate(world_size())
+        return backends.get(model.backend).unshard_params(gather_tensors(state), mesh, model)
+    if mesh is not None or model is not None:
+        raise TypeError("tf.unshard(state) takes no mesh or model: the state carries its own")
     state.check_alive()
     return backends.get(state.model.backend).unshard(state)
 

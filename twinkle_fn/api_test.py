@@ -181,3 +181,33 @@ def test_activation_checkpointing_gives_the_same_grads():
         grads.append(tf.fwd_bwd(_state(model), batch)[0])
     for name, g in grads[0].params.items():
         torch.testing.assert_close(grads[1].params[name], g, rtol=1e-12, atol=0)
+
+
+def test_shard_and_unshard_of_bare_params_on_one_process():
+    """Without a process group the pieces are rank 0's; joining them needs every rank's."""
+    model = _model()
+    full = dict(model.module.state_dict())
+    same = tf.shard(full, tf.Mesh(), model)
+    assert all(torch.equal(same[n], full[n]) for n in full)
+    back = tf.unshard(same, tf.Mesh(), model)
+    assert back.keys() == full.keys() and all(torch.equal(back[n], full[n]) for n in full)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    mine = tf.shard(full, tf.Mesh(tp=2), model)
+    assert torch.equal(mine[q], full[q][:16])
+    assert torch.equal(mine["model.norm.weight"], full["model.norm.weight"])  # not in the plan
+    with pytest.raises(ValueError, match=r"missing \[1\]"):
+        tf.unshard(mine, tf.Mesh(tp=2), model)
+
+
+def test_shard_and_unshard_dispatch_on_the_first_argument():
+    state = _state()
+    full = dict(state.model.module.state_dict())
+    with pytest.raises(TypeError, match="needs the model the params belong to"):
+        tf.shard(full, tf.Mesh())
+    with pytest.raises(TypeError, match="takes no model"):
+        tf.shard(state, tf.Mesh(), state.model)
+    with pytest.raises(TypeError, match="needs the mesh and model"):
+        tf.unshard(full, tf.Mesh())
+    with pytest.raises(TypeError, match="takes no mesh or model"):
+        tf.unshard(state, tf.Mesh(), state.model)
+    assert tf.unshard(state).keys() == state.params.keys()

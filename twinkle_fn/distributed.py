@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,3 +44,17 @@ def world_size() -> int:
 def rank() -> int:
     """This process's rank in the default group (0 when there is none)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_tensors(local: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Every rank's `local` tensors by rank, detached and on the CPU (``all_gather_object``: a
+    collective every rank must call; on one process ``{0: ...}`` sharing `local`'s CPU memory).
+
+    Every rank receives every rank's tensors: meant for checks and small models.
+    """
+    mine = {n: t.detach().cpu() for n, t in local.items()}
+    if world_size() == 1:
+        return {0: mine}
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, mine)
+    return dict(enumerate(gathered))

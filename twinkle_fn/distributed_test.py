@@ -1,4 +1,5 @@
 import pytest
+import torch
 import torch.distributed as dist
 
 from twinkle_fn import distributed
@@ -26,3 +27,21 @@ def test_world_without_rank_is_named(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK"):
         distributed.init_distributed()
+
+
+def _gathered():
+    r = distributed.rank()
+    return distributed.gather_tensors({"w": torch.full((r + 1,), float(r), requires_grad=True)})
+
+
+def test_gather_tensors_gives_every_rank_every_rank_tensors():
+    for got in spawn(_gathered, 2):
+        assert sorted(got) == [0, 1]
+        assert torch.equal(got[0]["w"], torch.zeros(1)) and torch.equal(got[1]["w"], torch.ones(2))
+        assert not got[1]["w"].requires_grad
+
+
+def test_gather_tensors_on_one_process_is_a_detached_copy():
+    w = torch.ones(2, requires_grad=True)
+    got = distributed.gather_tensors({"w": w})
+    assert list(got) == [0] and torch.equal(got[0]["w"], w) and not got[0]["w"].requires_grad

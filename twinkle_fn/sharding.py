@@ -3,7 +3,9 @@
 Splits follow ``torch.chunk`` along the dim, which is what DTensor's ``Shard(dim)`` does: with
 ``c = ceil(n / parts)``, shard ``i`` holds ``[min(i*c, n), min((i+1)*c, n))``, so the first shards
 are full and trailing ones may be smaller or empty. The FSDP/TP backends use the same functions,
-so `local_shard` on one process predicts exactly what a rank holds.
+so `local_shard` on one process predicts exactly what a rank holds. A parameter's sharding is a
+sequence of specs applied in order (e.g. tp, then FSDP's dim-0 split of the tp-local tensor);
+`unshard_pieces` inverts a whole sequence from every rank's piece.
 """
 
 from __future__ import annotations
@@ -181,3 +183,39 @@ def spec_for(plan: ShardPlan, name: str) -> ShardSpec:
             "patterns disjoint or add an exact entry for it"
         )
     return specs.pop() if specs else ShardSpec()
+
+
+def unshard_pieces(
+    pieces: Mapping[int, torch.Tensor], specs: Sequence[ShardSpec], mesh: Mesh
+) -> torch.Tensor:
+    """The tensor whose part on each rank, under `specs` applied in order, is ``pieces[rank]``.
+
+    `pieces` maps every rank of `mesh` to its piece (``local_shard`` of each spec in turn at that
+    rank's ``{**mesh.coords(r), **mesh.expert_coords(r)}``). The specs are undone last first:
+    the pieces of each group of ranks along a spec's axis are joined in axis-index order, and
+    ranks that then hold the same part must hold equal tensors (replicas). Returns the piece
+    itself when nothing is split and every rank holds it. Raises ``ValueError`` when a rank of
+    `mesh` is missing or unknown, when two specs split over the same axis (not invertible from
+    pieces), and as `unshard_local` does when pieces do not join or replicas differ.
+    """
+    world = set(range(mesh.world_size))
+    if set(pieces) != world:
+        missing, unknown = sorted(world - set(pieces)), sorted(set(pieces) - world)
+        raise ValueError(
+            f"pieces must hold exactly the ranks 0..{mesh.world_size - 1} of {mesh}; "
+            f"missing {missing}, unknown {unknown}"
+        )
+    axes = [s.axis for s in specs if s.axis is not None]
+    if len(axes) != len(set(axes)):
+        raise ValueError(
+            f"specs {list(specs)} split over one axis twice; each axis may split a tensor once"
+        )
+    current = dict(pieces)
+    for spec in reversed(specs):
+        if spec.axis is None:
+            continue
+        # Members of an axis group differ only in that axis, so rank order is axis-index order.
+        for group in mesh.group_ranks(spec.axis):
+            whole = unshard_local([current[r] for r in group], spec)
+            current.update(dict.fromkeys(group, whole))
+    return unshard_local([current[r] for r in sorted(current)], ShardSpec())

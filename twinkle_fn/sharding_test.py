@@ -9,6 +9,7 @@ from twinkle_fn.sharding import (
     shard_sizes,
     spec_for,
     unshard_local,
+    unshard_pieces,
 )
 
 MESH = Mesh(dp=2, tp=3, ep=2)
@@ -169,3 +170,44 @@ def test_spec_for_errors():
     assert spec_for(plan, "lm_head.weight") == ShardSpec(0, "fsdp")
     with pytest.raises(TypeError, match="plan entry 'a' is 'colwise', not a ShardSpec"):
         spec_for({"a": "colwise"}, "a")  # type: ignore[dict-item]
+
+
+def _pieces(tensor, specs, mesh):
+    out = {}
+    for r in range(mesh.world_size):
+        coords, piece = {**mesh.coords(r), **mesh.expert_coords(r)}, tensor
+        for spec in specs:
+            piece = local_shard(piece, spec, coords, mesh)
+        out[r] = piece
+    return out
+
+
+def test_unshard_pieces_undoes_tp_then_an_uneven_data_split():
+    mesh = Mesh(dp=2, fsdp=3, tp=2)
+    w = torch.arange(10 * 4).reshape(10, 4)
+    specs = (ShardSpec(1, "tp"), ShardSpec(0, "fsdp"))
+    pieces = _pieces(w, specs, mesh)
+    assert pieces[mesh.rank(tp=1, fsdp=2, dp=1)].shape == (2, 2)  # rows 8..9 of columns 2..3
+    assert torch.equal(unshard_pieces(pieces, specs, mesh), w)
+    assert unshard_pieces({0: w}, (ShardSpec(),), Mesh()) is w
+
+
+def test_unshard_pieces_over_expert_axes():
+    mesh = Mesh(tp=2, dp=2, ep=2)
+    w = torch.randn(4, 6)
+    specs = (ShardSpec(0, "ep"), ShardSpec(1, "etp"))
+    assert torch.equal(unshard_pieces(_pieces(w, specs, mesh), specs, mesh), w)
+
+
+def test_unshard_pieces_errors():
+    mesh = Mesh(tp=2, dp=2)
+    w = torch.arange(8.0)
+    pieces = _pieces(w, (ShardSpec(0, "tp"),), mesh)
+    with pytest.raises(ValueError, match=r"missing \[3\], unknown \[\]"):
+        unshard_pieces({r: p for r, p in pieces.items() if r != 3}, (ShardSpec(0, "tp"),), mesh)
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \[4\]"):
+        unshard_pieces({**pieces, 4: w}, (ShardSpec(0, "tp"),), mesh)
+    with pytest.raises(ValueError, match="split over one axis twice"):
+        unshard_pieces(pieces, (ShardSpec(0, "tp"), ShardSpec(0, "tp")), mesh)
+    with pytest.raises(ValueError, match="replica 2 differs from replica 0"):
+        unshard_pieces({**pieces, 2: pieces[2] + 1}, (ShardSpec(0, "tp"),), mesh)

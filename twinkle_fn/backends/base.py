@@ -108,6 +108,21 @@ class Backend(Protocol):
         """The trainable parameters as whole tensors (a collective on several ranks)."""
         ...
 
+    def shard_params(
+        self, full: Mapping[str, torch.Tensor], mesh: Mesh, model: Model, rank: int
+    ) -> dict[str, torch.Tensor]:
+        """The pieces of the whole HF-named tensors `full` that `rank` of `mesh` holds once
+        `model` is placed there, keyed as the state's ``params`` are, cut by the specs or rules
+        this backend places with. Pure: no communication, any rank may be asked."""
+        ...
+
+    def unshard_params(
+        self, pieces_by_rank: Mapping[int, Mapping[str, torch.Tensor]], mesh: Mesh, model: Model
+    ) -> dict[str, torch.Tensor]:
+        """The whole HF-named tensors whose pieces on each rank of `mesh` are
+        ``pieces_by_rank[rank]`` (the inverse of `shard_params` over every rank). Pure."""
+        ...
+
     def shard_into(self, dst: torch.Tensor, full: torch.Tensor) -> None:
         """Fill `dst` (one of this backend's tensors, a shard or whole) with its part of the
         whole tensor `full`, cut locally (no communication)."""

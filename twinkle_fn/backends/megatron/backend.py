@@ -62,7 +62,14 @@ from megatron.core.distributed import finalize_model_grads
 from peft import LoraConfig
 from torch import Tensor
 
-from twinkle_fn.backends.megatron import dist_checkpoint, grad_sync, lora, param_sync, weights
+from twinkle_fn.backends.megatron import (
+    dist_checkpoint,
+    grad_sync,
+    lora,
+    param_sync,
+    sharding,
+    weights,
+)
 from twinkle_fn.backends.megatron.optimizer import (
     MegatronOptState,
     megatron_optimizer,
@@ -278,6 +285,18 @@ class MegatronBackend:
     def unshard(self, state: TrainState) -> dict[str, Tensor]:
         """See `twinkle_fn.backends.megatron.weights.full_weights`."""
         return weights.full_weights(state)
+
+    def shard_params(
+        self, full: Mapping[str, Tensor], mesh: Mesh, model: Model, rank: int
+    ) -> dict[str, Tensor]:
+        """See `twinkle_fn.backends.megatron.sharding.shard_params`."""
+        return sharding.shard_params(full, mesh, model, rank)
+
+    def unshard_params(
+        self, pieces_by_rank: Mapping[int, Mapping[str, Tensor]], mesh: Mesh, model: Model
+    ) -> dict[str, Tensor]:
+        """See `twinkle_fn.backends.megatron.sharding.unshard_params`."""
+        return sharding.unshard_params(pieces_by_rank, mesh, model)
 
     def shard_into(self, dst: Tensor, full: Tensor) -> None:
         """Copy `full` into `dst`: the megatron backend re-shards only through checkpoints, so

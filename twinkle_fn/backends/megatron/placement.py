@@ -24,14 +24,13 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.module import Float16Module
 from torch import Tensor
-from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.compile_layers import compile_layers
 from twinkle_fn.backends.megatron import grad_sync, parallel, param_sync
-from twinkle_fn.backends.megatron.bridge import hf_to_mcore
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.backends.megatron.model import build_gpt_model
 from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
+from twinkle_fn.backends.megatron.sharding import checkpoint_names, local_weights, vocab_multiple
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 
@@ -193,10 +192,9 @@ def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
         )
     overrides = {k: v for k, v in options.items() if k not in _OWN_OPTIONS}
     num = options.get("num_micro_batches", mesh.pp)
-    multiple = options.get("vocab_multiple", 128)
-    for name, value in (("num_micro_batches", num), ("vocab_multiple", multiple)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"option {name} must be a positive int, got {value!r}")
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"option num_micro_batches must be a positive int, got {num!r}")
+    multiple = vocab_multiple(options)
     overlap = options.get("overlap_grad_reduce", True)
     gather = options.get("overlap_param_gather", False)
     for name, value in (("overlap_grad_reduce", overlap), ("overlap_param_gather", gather)):
@@ -247,39 +245,15 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
 
 def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
     """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
-    the model has a ``weights_dir``, else from its module, in HF checkpoint names)."""
+    the model has a ``weights_dir``, else from its module, in HF checkpoint names), cut by
+    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes."""
     rank = dist.get_rank()
-    coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
     if model.weights_dir is not None:
         with SafetensorsReader(model.weights_dir) as reader:
-            _load_local(gpt, reader, model, coords, expert, mesh, vocab_multiple)
+            local = local_weights(reader, model.config, mesh, rank, vocab_multiple)
     else:
-        state = revert_weight_conversion(model.module, model.module.state_dict())
-        _load_local(gpt, state, model, coords, expert, mesh, vocab_multiple)
-
-
-def _load_local(
-    gpt: torch.nn.Module,
-    source: Any,
-    model: Model,
-    coords: dict[str, int],
-    expert: dict[str, int],
-    mesh: Mesh,
-    vocab_multiple: int,
-) -> None:
-    local = hf_to_mcore(
-        source,
-        model.config,
-        tp_rank=coords["tp"],
-        tp_size=mesh.tp,
-        pp_rank=coords["pp"],
-        pp_size=mesh.pp,
-        ep_rank=expert["ep"],
-        ep_size=mesh.ep,
-        etp_rank=expert["etp"],
-        etp_size=mesh.etp,
-        vocab_multiple=vocab_multiple,
-    )
+        state = checkpoint_names(model, model.module.state_dict())
+        local = local_weights(state, model.config, mesh, rank, vocab_multiple)
     missing, unexpected = gpt.load_state_dict(local, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]
     if missing or unexpected:

@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from peft import LoraConfig
 
-from twinkle_fn.backends.transformers import attention, checkpoint, compute, fsdp, logps, lora
+from twinkle_fn.backends.transformers import (
+    attention,
+    checkpoint,
+    compute,
+    fsdp,
+    logps,
+    lora,
+    sharding,
+)
 from twinkle_fn.backends.transformers.lm_head import fuse_lm_head
 from twinkle_fn.backends.transformers.loss_scale import LossScale, init_loss_scale, next_loss_scale
 from twinkle_fn.losses import LossOutput
@@ -158,6 +166,18 @@ class TransformersBackend:
     def unshard(self, state: TrainState) -> dict[str, torch.Tensor]:
         """See `twinkle_fn.backends.transformers.fsdp.unshard`."""
         return fsdp.unshard(state.params)
+
+    def shard_params(
+        self, full: Mapping[str, torch.Tensor], mesh: Mesh, model: Model, rank: int
+    ) -> dict[str, torch.Tensor]:
+        """See `twinkle_fn.backends.transformers.sharding.shard_params`."""
+        return sharding.shard_params(full, mesh, model.config, rank)
+
+    def unshard_params(
+        self, pieces_by_rank: Mapping[int, Mapping[str, torch.Tensor]], mesh: Mesh, model: Model
+    ) -> dict[str, torch.Tensor]:
+        """See `twinkle_fn.backends.transformers.sharding.unshard_params`."""
+        return sharding.unshard_params(pieces_by_rank, mesh, model.config)
 
     def shard_into(self, dst: torch.Tensor, full: torch.Tensor) -> None:
         """See `twinkle_fn.backends.transformers.fsdp.copy_into_shard`."""

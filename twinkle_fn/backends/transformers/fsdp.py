@@ -43,9 +43,11 @@ from twinkle_fn.backends.transformers.plans import (
     COLWISE,
     SEQUENCE_PARALLEL_LAYER,
     SEQUENCE_PARALLEL_ROOT,
+    data_axis,
     tp_plan,
     with_lora,
 )
+from twinkle_fn.backends.transformers.sharding import check_mesh
 from twinkle_fn.distributed import world_size
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import family
@@ -67,11 +69,7 @@ def device_mesh(mesh: Mesh) -> DeviceMesh:
     Raises ``ValueError`` for pp, cp or ep > 1 (those belong to the Megatron backend) and when
     the mesh does not match the world.
     """
-    if mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
-        raise ValueError(
-            f"the fsdp backend parallelises over dp, fsdp and tp; {mesh} asks for pp/cp/ep, "
-            "which the megatron backend provides"
-        )
+    check_mesh(mesh)
     mesh.validate(world_size())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(
@@ -90,6 +88,8 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
     dm = device_mesh(mesh)
     layers = module.get_decoder().layers
     if mesh.tp > 1:
+        # The plan `plans.param_specs` reads, with its data split over `plans.data_axis`: what
+        # `tf.shard(params, mesh, model)` cuts (`sharding.shard_params`) is what this places.
         plan = tp_plan(module.config, mesh.tp)
         sp = mesh.sequence_parallel
         if sp:
@@ -123,11 +123,11 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
 
 
 def _data_mesh(dm: DeviceMesh, mesh: Mesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: 1-D over fsdp, or over dp when it is the only data axis;
-    2-D (replicate over dp, shard over fsdp) when both are > 1."""
-    if mesh.fsdp == 1:
-        return dm["dp"]
-    return dm["fsdp"] if mesh.dp == 1 else dm["dp", "fsdp"]
+    """The mesh FSDP2 shards over: 1-D over `plans.data_axis` (fsdp, or dp when it is the only
+    data axis); 2-D (replicate over dp, shard over fsdp) when both are > 1."""
+    if mesh.dp > 1 and mesh.fsdp > 1:
+        return dm["dp", "fsdp"]
+    return dm[data_axis(mesh)]
 
 
 def _prefetch(root: FSDPModule, layers: list[FSDPModule]) -> None:

@@ -100,12 +100,18 @@ def param_specs(names: Iterable[str], config: PretrainedConfig, mesh: Mesh) -> d
     or over ``dp`` when that is the only data axis (`twinkle_fn.backends.transformers.fsdp`'s ZeRO-2).
     """
     plan = tp_plan(config, mesh.tp)
-    data = ShardSpec(0, "dp" if mesh.fsdp == 1 and mesh.dp > 1 else "fsdp")
+    data = ShardSpec(0, data_axis(mesh))
     specs = {}
     for name in names:
         tp_spec = _tp_spec(plan, name)
         specs[name] = (tp_spec, data) if tp_spec else (data,)
     return specs
+
+
+def data_axis(mesh: Mesh) -> str:
+    """The mesh axis FSDP2 splits parameters over: ``fsdp``, or ``dp`` when it is the only data
+    axis (ZeRO-2); with both, ``fsdp`` (HSDP replicates the shards over ``dp``)."""
+    return "dp" if mesh.fsdp == 1 and mesh.dp > 1 else "fsdp"
 
 
 def local_specs(tensor: torch.Tensor, specs: Specs, coords: Mapping[str, int], mesh: Mesh):
