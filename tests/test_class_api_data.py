@@ -120,8 +120,10 @@ def test_dataset_rows_jsonl_map_filter_encode(tok, tmp_path):
     from_file = Dataset(DatasetMeta(dataset_id=str(path), data_slice=range(1, 5)))
     assert len(from_file) == 4 and from_file[0] == _chat("1")
     ds = Dataset(DatasetMeta(data=[{"q": "Q", "a": str(i)} for i in range(6)]))
-    ds.map(lambda row: _chat(row["a"]) if row["a"] != "0" else None)
-    ds.filter(lambda row: row["messages"][1]["content"] != "5")
+    # map is batched (columns in, columns out) and merges its columns into the rows
+    ds.map(lambda batch: {"messages": [_chat(a)["messages"] for a in batch["a"]]})
+    assert ds[0]["q"] == "Q" and ds[0]["messages"] == _chat("0")["messages"]
+    ds.filter(lambda row: row["messages"][1]["content"] not in ("0", "5"))
     assert [row["messages"][1]["content"] for row in ds[:]] == ["1", "2", "3", "4"]
     ds.add_dataset(DatasetMeta(data=[_chat("9")]))
     ds.set_template(Template(tok))
@@ -132,8 +134,8 @@ def test_dataset_rows_jsonl_map_filter_encode(tok, tmp_path):
         def __init__(self, suffix):
             self.suffix = suffix
 
-        def __call__(self, row):
-            return {**row, "tag": self.suffix}
+        def __call__(self, batch):
+            return {"tag": [self.suffix] * len(batch["input_ids"])}
 
     ds.map(Upper, init_args={"suffix": "!"})
     assert ds[0]["tag"] == "!"

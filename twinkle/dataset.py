@@ -1,35 +1,48 @@
-"""`Dataset` and `DatasetMeta`: rows in memory, from a JSON-lines file, or from an HF dataset.
+"""`Dataset` and its variants: rows in memory, from local files, or from an HF dataset.
 
-Rows are dicts. `Dataset.map`/`filter` transform them eagerly; `Dataset.encode` turns chat rows
-(``messages``) into features with the dataset's `Template`. HF ``datasets`` objects are read
-only when that (optional) package is installed.
+Rows are dicts. As upstream, `Dataset.map` is batched: the function gets a batch in columns
+(``{column: [values]}``) and returns columns, which are merged into the batch's rows;
+`Dataset.filter` is per row. `Dataset.encode` turns chat rows (``messages``) into features with
+the dataset's `Template`. `LazyDataset` defers map and encode to ``__getitem__``,
+`IterableDataset` is read by iterating, and `PackingDataset` packs encoded rows into rows of at
+most ``template.max_length`` tokens (`twinkle_fn.data.pack_greedy`). Everything is held in memory;
+HF ``datasets`` objects and hub ids are read only when that (optional) package is installed.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
-import importlib.util
+import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import twinkle.preprocessor
+from twinkle.hub import HubOperation
 from twinkle.infra import remote_class, remote_function
+from twinkle.preprocessor import DataFilter, Preprocessor
 from twinkle.template import Template
-from twinkle_fn.data import load_jsonl
+from twinkle_fn.data import pack_greedy
 
 Row = dict[str, Any]
+# datasets.map's default batch size, which upstream keeps
+MAP_BATCH_SIZE = 1000
+FILE_TYPES = (".jsonl", ".json", ".csv", ".txt")
 
 
 @dataclasses.dataclass
 class DatasetMeta:
     """Where a dataset's rows come from.
 
-    `data`: rows in memory (a list or any iterable of dicts, or an HF ``datasets.Dataset``).
-    Otherwise `dataset_id`: a ``.jsonl`` file (chat ``messages`` or ``text`` rows, see
-    `twinkle_fn.data.load_jsonl`), or, with the ``datasets`` package installed, anything
-    ``datasets.load_dataset`` takes (with `subset_name` and `split`). `data_slice`: the row
-    indices to keep (a range or list), applied after loading.
+    `data`: rows in memory (a list of dicts, a dict of columns, a generator function, or an HF
+    ``datasets.Dataset``). Otherwise `dataset_id`: a local ``.jsonl``, ``.json``, ``.csv`` or
+    ``.txt`` file or a directory of them, or (with the ``datasets`` package) a hub id taken
+    with `subset_name` and `split`. `data_slice`: the row indices to keep, applied after
+    loading; indices past the end wrap around, as upstream. Raises ``ValueError`` when neither
+    source is given or `data_slice` is not iterable.
     """
 
     dataset_id: str = ""
@@ -38,13 +51,29 @@ class DatasetMeta:
     data_slice: Iterable[int] | None = None
     data: Any = None
 
+    def __post_init__(self) -> None:
+        self._uid = uuid.uuid4().hex[:8]
+        if self.data_slice is not None and not isinstance(self.data_slice, Iterable):
+            raise ValueError("data_slice must be an iterable")
+        if not self.dataset_id and self.data is None:
+            raise ValueError(
+                "DatasetMeta needs data=<rows> or dataset_id=<a local file, directory or hub id>"
+            )
+
+    def get_id(self) -> str:
+        """A key naming this source (unique per instance for in-memory data)."""
+        if self.data is not None:
+            return f"__memory_{self._uid}__:{self.subset_name}:{self.split}"
+        name = self.dataset_id.replace(os.sep, "_").replace(".", "_")
+        return f"{name}:{self.subset_name}:{self.split}"
+
 
 @remote_class(execute="first")
 class Dataset:
     """An in-memory list of rows with upstream's transformations.
 
-    Raises ``ValueError`` when the meta names no source, a file that does not exist, or a hub
-    dataset while the ``datasets`` package is missing.
+    Raises ``ValueError`` when the meta names a file that does not exist, or a hub dataset while
+    the ``datasets`` package is missing; ``HubUnavailableError`` for ``ms://`` ids.
     """
 
     def __init__(self, dataset_meta: DatasetMeta | None = None, **load_kwargs: Any) -> None:
@@ -64,42 +93,45 @@ class Dataset:
     @remote_function(execute="first")
     def map(
         self,
-        preprocess_func: Callable[[Row], Row | None],
+        preprocess_func: Callable[[dict[str, list[Any]]], Mapping[str, list[Any]] | None]
+        | type
+        | str,
         dataset_meta: DatasetMeta | None = None,
         init_args: Mapping[str, Any] | None = None,
         **map_kwargs: Any,
     ) -> None:
-        """Replace each row by ``preprocess_func(row)``; rows it maps to None are dropped.
+        """Transform the rows in batches of columns, as upstream's ``datasets.map(batched=True)``.
 
-        A class is instantiated with `init_args` first (upstream's preprocessor classes). The
-        meta and other keyword arguments of upstream (``num_proc``...) are accepted and unused.
-        Raises ``TypeError`` when the result is not a dict.
+        `preprocess_func` is a function ``{column: [values]} -> {column: [values]}``, a
+        `Preprocessor` instance, a class (built with `init_args`) or the name of one in
+        `twinkle.preprocessor`. Its columns are merged into the batch's rows (old columns stay
+        unless named in ``remove_columns``); a result with another row count replaces the batch;
+        None leaves the batch unchanged. ``batch_size`` (default 1000) is read from
+        `map_kwargs`; the meta and the other keyword arguments (``num_proc``...) are accepted and
+        unused. Raises ``TypeError`` when the result is not a dict of equal-length lists.
         """
-        fn = (
-            preprocess_func(**(init_args or {}))
-            if isinstance(preprocess_func, type)
-            else preprocess_func
+        fn = make_callable(preprocess_func, Preprocessor, init_args)
+        remove = map_kwargs.get("remove_columns") or ()
+        remove = {remove} if isinstance(remove, str) else set(remove)
+        self.rows = _map_batched(
+            fn, self.rows, map_kwargs.get("batch_size", MAP_BATCH_SIZE), remove
         )
-        if not callable(fn):
-            raise TypeError(
-                f"map needs a function row -> row (or a class to build one), got {preprocess_func!r}"
-            )
-        out = []
-        for i, row in enumerate(self.rows):
-            new = fn(row)
-            if new is None:
-                continue
-            if not isinstance(new, Mapping):
-                raise TypeError(
-                    f"map: the function returned a {type(new).__name__} for row {i}, expected a dict"
-                )
-            out.append(dict(new))
-        self.rows = out
 
     @remote_function(execute="first")
-    def filter(self, filter_func: Callable[[Row], bool], **kwargs: Any) -> None:
-        """Keep the rows for which ``filter_func(row)`` is true."""
-        self.rows = [row for row in self.rows if filter_func(row)]
+    def filter(
+        self,
+        filter_func: Callable[[Row], bool] | type | str,
+        dataset_meta: DatasetMeta | None = None,
+        init_args: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Keep the rows for which ``filter_func(row)`` is true.
+
+        `filter_func` is a function, a `DataFilter` instance, a class (built with `init_args`) or
+        the name of one in `twinkle.preprocessor`.
+        """
+        fn = make_callable(filter_func, DataFilter, init_args)
+        self.rows = [row for row in self.rows if fn(row)]
 
     @remote_function(execute="first")
     def encode(self, add_generation_prompt: bool = False, **kwargs: Any) -> None:
@@ -107,15 +139,147 @@ class Dataset:
 
         Raises ``ValueError`` when no template is set, and the template's errors.
         """
+        self.rows = self._require_template().batch_encode(self.rows, add_generation_prompt)
+
+    def _require_template(self) -> Template:
         if self.template is None:
             raise ValueError("encode needs a template; call set_template('Template', model_id=...)")
-        self.rows = self.template.batch_encode(self.rows, add_generation_prompt)
+        return self.template
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int | slice) -> Row | list[Row]:
         return self.rows[index]
+
+
+@remote_class(execute="first")
+class LazyDataset(Dataset):
+    """A `Dataset` whose `map` and `encode` run on each row when it is read, as upstream.
+
+    `filter` runs at once, on the rows as loaded (before any recorded map), as upstream's.
+    A recorded `Preprocessor` converts a row with its ``preprocess`` (the row is replaced); a
+    plain function gets a one-row batch of columns. An encoded row keeps the fields that encoding
+    does not produce.
+    """
+
+    def __init__(self, dataset_meta: DatasetMeta | None = None, **load_kwargs: Any) -> None:
+        super().__init__(dataset_meta, **load_kwargs)
+        self._map_ops: list[Callable[..., Any]] = []
+        self.do_encode = False
+        self.add_generation_prompt = False
+
+    @remote_function(execute="first")
+    def map(
+        self,
+        preprocess_func: Callable[..., Any] | type | str,
+        dataset_meta: DatasetMeta | None = None,
+        init_args: Mapping[str, Any] | None = None,
+        **map_kwargs: Any,
+    ) -> None:
+        """Record `preprocess_func` (as `Dataset.map` takes it) to run on each read."""
+        self._map_ops.append(make_callable(preprocess_func, Preprocessor, init_args))
+
+    @remote_function(execute="first")
+    def encode(self, add_generation_prompt: bool = False, **kwargs: Any) -> None:
+        """Encode each row when read.
+
+        Raises ``ValueError`` when no template is set, and for ``truncation_strategy='delete'``
+        (a row read by index cannot be dropped).
+        """
+        if self._require_template().truncation_strategy == "delete":
+            raise ValueError(
+                "LazyDataset cannot drop rows when they are read; use truncation_strategy "
+                "'right', 'left' or 'raise', or an eager Dataset"
+            )
+        self.do_encode = True
+        self.add_generation_prompt = add_generation_prompt
+
+    def __getitem__(self, index: int | slice) -> Row | list[Row]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = self.rows[index]
+        for fn in self._map_ops:
+            row = _apply_to_row(fn, row)
+        if self.do_encode:
+            encoded = self._require_template().encode(row, self.add_generation_prompt)
+            row = {**row, **encoded}
+        return row
+
+
+@remote_class(execute="first")
+class IterableDataset(Dataset):
+    """A `Dataset` read by iterating (upstream's streaming variant): no `len`, no indexing.
+
+    Rows are loaded into memory here; ``streaming`` is accepted. ``__len__`` and
+    ``__getitem__`` raise ``NotImplementedError`` as upstream's.
+    """
+
+    def __init__(self, dataset_meta: DatasetMeta | None = None, **load_kwargs: Any) -> None:
+        load_kwargs.pop("streaming", None)
+        super().__init__(dataset_meta, **load_kwargs)
+
+    def __len__(self) -> int:
+        raise NotImplementedError("an IterableDataset has no length; iterate over it")
+
+    def __getitem__(self, index: int | slice) -> Row | list[Row]:
+        raise NotImplementedError("an IterableDataset cannot be indexed; iterate over it")
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(list(self.rows))
+
+
+@remote_class(execute="first")
+class PackingDataset(Dataset):
+    """Encoded rows packed into rows of at most ``template.max_length`` tokens (2048 if None).
+
+    After `encode`, `pack_dataset` groups the rows (first-fit decreasing,
+    `twinkle_fn.data.pack_greedy`); row ``i`` is then group ``i`` concatenated as upstream:
+    token-level lists (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``) are
+    joined, positions restarting at 0 for each sample, other fields become lists. The
+    `InputProcessor` splits such a row at the restarts and packs it padding-free.
+    ``packing_num_proc`` is accepted (packing runs in this process).
+    """
+
+    def __init__(
+        self, dataset_meta: DatasetMeta | None = None, packing_num_proc: int = 1, **kwargs: Any
+    ) -> None:
+        super().__init__(dataset_meta, **kwargs)
+        self.packing_num_proc = packing_num_proc
+        self.packed_idx: list[list[int]] | None = None
+
+    @remote_function(execute="first")
+    def pack_dataset(self) -> None:
+        """Group the encoded rows into packs.
+
+        Raises ``ValueError`` when no template is set or the rows are not encoded, and
+        `pack_greedy`'s error for a row longer than the pack size.
+        """
+        template = self._require_template()
+        if not self.rows or "input_ids" not in self.rows[0]:
+            raise ValueError("pack_dataset needs encoded rows; call encode() first")
+        self.packed_idx = pack_greedy(self.rows, template.max_length or 2048)
+
+    def _packs(self) -> list[list[int]]:
+        if self.packed_idx is None:
+            raise RuntimeError("call pack_dataset() before reading a PackingDataset")
+        return self.packed_idx
+
+    def __len__(self) -> int:
+        return len(self._packs())
+
+    def __getitem__(self, index: int | slice) -> Row | list[Row]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        rows = [self.rows[i] for i in self._packs()[index]]
+        out: Row = {}
+        for key in rows[0]:
+            values = [row[key] for row in rows]
+            if isinstance(values[0], list) and values[0] and isinstance(values[0][0], int | float):
+                out[key] = [v for value in values for v in value]
+            else:
+                out[key] = values
+        return out
 
 
 def make_template(template_cls: Template | type | str, **kwargs: Any) -> Template:
@@ -133,24 +297,92 @@ def make_template(template_cls: Template | type | str, **kwargs: Any) -> Templat
     )
 
 
+def make_callable(func: Any, base: type, init_args: Mapping[str, Any] | None) -> Callable:
+    """A preprocessor or filter from a callable, a class (built with `init_args`) or the name
+    of a class in `twinkle.preprocessor` (upstream's ``construct_class``).
+
+    Raises ``ValueError`` for an unknown name and ``TypeError`` for anything not callable.
+    """
+    if isinstance(func, str):
+        found = getattr(twinkle.preprocessor, func, None)
+        if not (isinstance(found, type) and issubclass(found, base)):
+            raise ValueError(
+                f"{func!r} is not a {base.__name__} in twinkle.preprocessor; pass a function, "
+                "a class or an instance"
+            )
+        func = found
+    if isinstance(func, type):
+        func = func(**(init_args or {}))
+    if not callable(func):
+        raise TypeError(f"expected a function (or a class to build one), got {func!r}")
+    return func
+
+
+def _columns(rows: list[Row]) -> dict[str, list[Any]]:
+    """`rows` as columns; a key some rows lack is None there (as ``datasets`` fills it)."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: [row.get(k) for row in rows] for k in keys}
+
+
+def _rows_of(columns: Any, where: str) -> list[Row]:
+    if not isinstance(columns, Mapping):
+        raise TypeError(
+            f"{where} returned a {type(columns).__name__}, expected a dict of columns "
+            "({column: [values]}; map is batched, as upstream's)"
+        )
+    lengths = {k: len(v) for k, v in columns.items() if isinstance(v, list | tuple)}
+    if len(lengths) != len(columns) or len(set(lengths.values())) > 1:
+        raise TypeError(f"{where} must return a dict of equal-length lists, got lengths {lengths}")
+    count = next(iter(lengths.values()), 0)
+    return [{k: columns[k][i] for k in columns} for i in range(count)]
+
+
+def _map_batched(fn: Callable, rows: list[Row], batch_size: int, remove: set[str]) -> list[Row]:
+    out: list[Row] = []
+    for start in range(0, len(rows), max(1, batch_size)):
+        batch = rows[start : start + max(1, batch_size)]
+        result = fn(_columns(batch))
+        if result is None:
+            out.extend(batch)
+            continue
+        new = _rows_of(result, f"map: the function (on rows {start}..)")
+        if len(new) != len(batch):
+            out.extend(new)
+            continue
+        for old, row in zip(batch, new, strict=True):
+            out.append({**{k: v for k, v in old.items() if k not in remove}, **row})
+    return out
+
+
+def _apply_to_row(fn: Callable, row: Row) -> Row:
+    """One row through a recorded map: ``preprocess`` for a `Preprocessor`, else a one-row
+    batch of columns."""
+    if hasattr(fn, "preprocess"):
+        return dict(fn.preprocess(row))
+    new = _rows_of(fn({k: [v] for k, v in row.items()}), "map: the function")
+    if len(new) != 1:
+        raise ValueError(f"a LazyDataset map must return one row per row, got {len(new)}")
+    return new[0]
+
+
 def _load(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> list[Row]:
     if not isinstance(meta, DatasetMeta):
         raise TypeError(f"dataset_meta must be a DatasetMeta, got {type(meta).__name__}")
-    if meta.data is not None:
-        rows = _rows(meta.data)
-    elif meta.dataset_id:
-        rows = _from_id(meta, load_kwargs)
-    else:
-        raise ValueError("DatasetMeta needs data=<rows> or dataset_id=<a .jsonl file or hub id>")
-    if meta.data_slice is not None:
-        rows = [rows[i] for i in meta.data_slice]
+    rows = _rows(meta.data) if meta.data is not None else _from_id(meta, load_kwargs)
+    if meta.data_slice is not None and rows:
+        rows = [rows[i % len(rows)] for i in meta.data_slice]
     return rows
 
 
 def _rows(data: Any) -> list[Row]:
-    if isinstance(data, Mapping) or not isinstance(data, Iterable):
+    if isinstance(data, Mapping):
+        return _rows_of(dict(data), "DatasetMeta.data (a dict of columns)")
+    if callable(data):
+        data = data()
+    if not isinstance(data, Iterable):
         raise TypeError(
-            f"DatasetMeta.data must be an iterable of dict rows, got {type(data).__name__}"
+            f"DatasetMeta.data must be rows, columns or a generator function, got "
+            f"{type(data).__name__}"
         )
     rows = [dict(r) if isinstance(r, Mapping) else r for r in data]
     for i, row in enumerate(rows):
@@ -161,19 +393,52 @@ def _rows(data: Any) -> list[Row]:
 
 def _from_id(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> list[Row]:
     path = Path(os.path.expanduser(meta.dataset_id))
-    if path.suffix in (".jsonl", ".json"):
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in FILE_TYPES)
+        if not files:
+            raise ValueError(f"directory {path} has no {', '.join(FILE_TYPES)} files")
+        return [row for file in files for row in _read_file(file)]
+    if path.suffix in FILE_TYPES:
         if not path.is_file():
             raise ValueError(f"dataset file {path} does not exist")
-        return load_jsonl(path)
-    if importlib.util.find_spec("datasets") is None:
-        raise ValueError(
-            f"dataset_id={meta.dataset_id!r} is not a .jsonl file, and loading hub datasets needs "
-            "the `datasets` package (pip install datasets); or pass rows as DatasetMeta(data=...)"
-        )
-    import datasets
-
-    name = None if meta.subset_name == "default" else meta.subset_name
-    loaded = datasets.load_dataset(
-        meta.dataset_id.removeprefix("hf://"), name, split=meta.split, **load_kwargs
+        return _read_file(path)
+    loaded = HubOperation.load_dataset(
+        meta.dataset_id, meta.subset_name, meta.split, **dict(load_kwargs)
     )
     return _rows(loaded)
+
+
+def _read_file(path: Path) -> list[Row]:
+    """The rows of a local file, by extension, as upstream's ``datasets`` loaders read them."""
+    with open(path, encoding="utf-8", newline="" if path.suffix == ".csv" else None) as f:
+        if path.suffix == ".csv":
+            # strings as written: upstream loads csv with na_filter=False
+            return [dict(row) for row in csv.DictReader(f)]
+        if path.suffix == ".txt":
+            return [{"text": line.rstrip("\n")} for line in f]
+        text = f.read()
+    if path.suffix == ".json":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # not one document: JSON lines, which the json loader also reads
+        if isinstance(whole, list):
+            return _rows(whole)
+        if isinstance(whole, dict):
+            return _rows_of(whole, f"{path} (a dict of columns)")
+    return _json_lines(text, path)
+
+
+def _json_lines(text: str, path: Path) -> list[Row]:
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(row, dict):
+            raise TypeError(f"{path}:{lineno}: a row must be a JSON object")
+        rows.append(row)
+    return rows

@@ -155,6 +155,49 @@ def initialize(
     _SETTINGS[0] = new
 
 
+def get_device_placement(device_group: list[DeviceGroup] | None = None) -> str:
+    """A text picture of the training topology: each device group, its ranks and the mesh.
+
+    `device_group` defaults to the groups of the last `initialize` (in local mode without
+    groups: one group ``'default'`` over the mesh's ranks). Returns
+    ``'No device group provided.'`` before `initialize` and when there is none, as upstream.
+    """
+    s = settings()
+    groups = list(device_group) if device_group is not None else list(s.groups)
+    if not groups and device_group is None and s.device_mesh is not None:
+        groups = [DeviceGroup("default", list(range(s.device_mesh.world_size)), "CPU")]
+        if torch.cuda.is_available():
+            groups[0] = dataclasses.replace(groups[0], device_type="GPU")
+    if not groups:
+        return "No device group provided."
+    width = 80
+
+    def line(text: str = "") -> str:
+        return f"│ {text.ljust(width - 4)} │"
+
+    title = "║ " + "DEVICE PLACEMENT TOPOLOGY".center(width - 4) + " ║"
+    lines = ["╔" + "═" * (width - 2) + "╗", title, "╚" + "═" * (width - 2) + "╝", ""]
+    for group in groups:
+        ranks = group.ranks if isinstance(group.ranks, list) else list(range(group.ranks))
+        shown = str(ranks) if len(ranks) <= 16 else f"{ranks[:6]} ... {ranks[-3:]}"
+        lines += ["┌" + "─" * (width - 2) + "┐", line(f"◈ DeviceGroup: {group.name}")]
+        lines += ["├" + "─" * (width - 2) + "┤", line(f"  ├─ Device Type : {group.device_type}")]
+        lines.append(line(f"  └─ Ranks       : {shown} ({len(ranks)} total)"))
+        mesh = s.device_mesh
+        if mesh is not None and mesh.world_size == len(ranks):
+            dims = " × ".join(f"{d}={mesh.get_dim_size(d)}" for d in mesh.mesh_dim_names)
+            lines += [line(), line("  ┌─ DeviceMesh: global"), line(f"  │  Dimensions : {dims}")]
+            active = [
+                f"{d.upper()}={mesh.get_dim_size(d)}"
+                for d in ("pp", "dp", "tp", "ep", "cp", "fsdp")
+                if mesh.get_dim_size(d) > 1
+            ]
+            if active:
+                lines.append(line(f"  │  Parallelism: {', '.join(active)}"))
+        lines += [line(), "└" + "─" * (width - 2) + "┘", ""]
+    return "\n" + "\n".join(lines)
+
+
 def _ray_settings(
     ncpu_proc_per_node: int,
     seed: int,

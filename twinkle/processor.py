@@ -20,8 +20,9 @@ class InputProcessor:
     Right padding (``input_ids``/``labels``/``attention_mask``/``position_ids``, each
     ``[batch, seq]``) with `pad_collate`, or with ``padding_free=True`` one packed row
     (``[1, total]`` plus ``cu_seqlens``) with `pack`. A feature's own ``attention_mask`` and
-    ``position_ids`` are rebuilt (positions 0..n-1 per sample), and upstream's detection of
-    pre-packed rows from resetting ``position_ids`` is not done: pass ``padding_free=True``.
+    ``position_ids`` are rebuilt (positions 0..n-1 per sample). A feature whose ``position_ids``
+    restart at 0 (a `PackingDataset` row) is split there into its samples and the batch is
+    packed padding-free, as upstream detects pre-packed rows.
     `device_mesh` is kept for upstream compatibility (the core slices nothing per sample).
     Raises ``ValueError`` for ``padding_side='left'`` and for a framework other than
     ``'transformers'``.
@@ -66,8 +67,9 @@ class InputProcessor:
                 return dict(inputs)
             inputs = [inputs]
         features = [_as_lists(f) for f in inputs]
-        if self.padding_free:
-            return pack(features)
+        split = [part for f in features for part in _split_packed(f)]
+        if self.padding_free or len(split) != len(features):
+            return pack(split)
         return pad_collate(features, self.pad_token_id, self.pad_to_multiple_of)
 
 
@@ -96,3 +98,20 @@ def _as_lists(feature: Any) -> dict[str, Any]:
         if hasattr(out.get(key), "tolist"):
             out[key] = out[key].tolist()
     return out
+
+
+def _split_packed(feature: dict[str, Any]) -> list[dict[str, Any]]:
+    """`feature` cut where its ``position_ids`` restart at 0 (one piece when they do not)."""
+    positions = feature.get("position_ids")
+    if hasattr(positions, "tolist"):
+        positions = positions.tolist()
+    if not isinstance(positions, list) or len(positions) != len(feature["input_ids"]):
+        return [feature]
+    starts = [i for i, p in enumerate(positions) if p == 0 and i > 0]
+    if not starts:
+        return [feature]
+    bounds = [0, *starts, len(positions)]
+    return [
+        {"input_ids": feature["input_ids"][a:b], "labels": feature["labels"][a:b]}
+        for a, b in itertools.pairwise(bounds)
+    ]
