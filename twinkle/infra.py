@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from twinkle.device_mesh import DeviceMesh
-from twinkle_fn.distributed import init_distributed, world_size
+from twinkle_fn.distributed import world_size
 
 MODES = ("local", "ray")
 DISPATCH = ("slice", "all", "slice_dp")
@@ -110,9 +110,12 @@ def initialize(
 ) -> None:
     """Set up twinkle for this process: the mode, the global mesh, the seed.
 
-    Local mode joins the process group the launcher describes (torchrun's environment; nothing
-    on a plain single process) and checks that `global_device_mesh` (default: dp over the whole
-    world) covers exactly that world.
+    Local mode only reads the launcher's environment (torchrun's ``WORLD_SIZE``; one rank on a
+    plain process) and checks that `global_device_mesh` (default: dp over the whole world)
+    covers exactly that world. It joins no process group, as upstream: the first model built
+    joins torch.distributed. So a child process started by ``spawn`` (megatron's checkpoint
+    writer) that re-runs the script's top-level ``initialize`` returns at once instead of
+    waiting for peers that never come.
 
     Ray mode starts a local Ray cluster with ``min(ncpu_proc_per_node, cpu count)`` CPUs (or
     joins ``RAY_ADDRESS``'s; an already initialized Ray is used as it is) and records `groups`,
@@ -141,8 +144,7 @@ def initialize(
             ncpu_proc_per_node, recorded_seed, full_determinism, groups, global_device_mesh
         )
     else:
-        init_distributed()
-        world = world_size()
+        world = _launcher_world()
         mesh = global_device_mesh or DeviceMesh.from_sizes(dp_size=world)
         if mesh.world_size != world:
             raise ValueError(
@@ -153,6 +155,26 @@ def initialize(
         new = Settings(mode, mesh, recorded_seed, tuple(groups or ()), full_determinism)
     _seed_everything(seed, full_determinism)
     _SETTINGS[0] = new
+
+
+def _launcher_world() -> int:
+    """The world size: torch.distributed's when joined, else the launcher's ``WORLD_SIZE``,
+    else 1. Raises ``ValueError`` for a ``WORLD_SIZE`` that is not a positive int."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return world_size()
+    raw = os.environ.get("WORLD_SIZE")
+    if raw is None:
+        return 1
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ValueError(
+            f"environment variable WORLD_SIZE={raw!r} is not a positive int; launch with "
+            "torchrun or unset it for a single process"
+        )
+    return world
 
 
 def get_device_placement(device_group: list[DeviceGroup] | None = None) -> str:
