@@ -9,19 +9,28 @@ fsdp`` data shards.
 Differences from upstream, all deliberate: an axis that was not set reports size 1 and rank 0
 (upstream: size 0 and rank None); ``get_slice`` refuses a batch smaller than the number of data
 ranks (upstream hands some ranks nothing); ``vpp_size > 1`` (upstream marks VPP as broken) and
-``ulysses_size > 1`` (no Ulysses sequence parallelism in the core) are refused.
+``ulysses_size > 1`` (no Ulysses sequence parallelism in the core) are refused; a rank array
+(``DeviceMesh(mesh=np.ndarray, mesh_dim_names=...)``) must follow the core's order, so
+upstream's ``from_sizes`` layout with fsdp outermost is refused when fsdp > 1 meets dp or pp > 1
+(`from_sizes` here builds the core's layout instead); ``mesh`` is the core mesh, not the array.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from twinkle_fn.mesh import Mesh
 
 _AXES = ("dp", "fsdp", "tp", "pp", "cp")
+# Upstream's from_sizes order of the axes (what mesh_dim_names lists).
+_UPSTREAM_ORDER = ("fsdp", "pp", "dp", "cp", "tp")
+# The core's rank order, slowest axis first: how a rank array must be laid out.
+_CORE_ORDER = ("pp", "dp", "fsdp", "cp", "tp")
 
 
 def current_rank() -> int:
@@ -39,22 +48,120 @@ def _optional_size(name: str, value: int | None) -> int:
     return value
 
 
+def _mesh_from_array(
+    array: Any,
+    names: tuple[str, ...] | None,
+    ep_size: int | None,
+    etp_size: int | None,
+    sequence_parallel: bool | None,
+) -> tuple[Mesh, tuple[str, ...]]:
+    """The core mesh that lays ranks out as `array` (axes named by `names`) does, and the
+    names. Raises ``ValueError`` for missing, unknown or repeated names, a shape that does not
+    match them, an array that is not the ranks ``0..n-1`` once each, and a layout other than
+    the core's Megatron order."""
+    ranks = np.asarray(array)
+    if names is None:
+        raise ValueError(
+            f"DeviceMesh(mesh=<array of shape {ranks.shape}>) needs mesh_dim_names, one name per "
+            f"axis from {', '.join(_CORE_ORDER)}, e.g. mesh_dim_names=('dp',)"
+        )
+    names = tuple(names)
+    unknown = [n for n in names if n not in _CORE_ORDER]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"mesh_dim_names={names!r}: each name must be one of {', '.join(_CORE_ORDER)}, "
+            "once (expert parallelism is laid over the same ranks: pass ep_size= instead of an "
+            "'ep' axis)"
+        )
+    if len(names) != ranks.ndim:
+        raise ValueError(
+            f"mesh_dim_names={names!r} names {len(names)} axes but the mesh array has "
+            f"{ranks.ndim} (shape {ranks.shape}); give one name per axis"
+        )
+    world = int(ranks.size)
+    if not np.issubdtype(ranks.dtype, np.integer) or sorted(ranks.ravel().tolist()) != list(
+        range(world)
+    ):
+        raise ValueError(
+            f"the mesh array must hold the ranks 0..{world - 1} once each, got "
+            f"{ranks.ravel().tolist()!r}; build it with np.arange({world}).reshape(...)"
+        )
+    sizes = dict(zip(names, ranks.shape, strict=True))
+    core = Mesh(
+        **{axis: sizes.get(axis, 1) for axis in _AXES},
+        ep=_optional_size("ep_size", ep_size),
+        etp=_optional_size("etp_size", etp_size),
+        sequence_parallel=bool(sequence_parallel),
+    )
+    for index in np.ndindex(ranks.shape):
+        rank = int(ranks[index])
+        coords = core.coords(rank)
+        if any(coords[name] != i for name, i in zip(names, index, strict=True)):
+            canonical = [a for a in _CORE_ORDER if a in sizes]
+            shape = ", ".join(str(sizes[a]) for a in canonical)
+            raise ValueError(
+                f"mesh_dim_names={names!r} with this array puts rank {rank} at "
+                f"{dict(zip(names, map(int, index), strict=True))}, but the core lays ranks out "
+                f"in Megatron order (tp fastest, then cp, fsdp, dp, pp) and puts it at "
+                f"{ {a: coords[a] for a in names} }; use mesh=np.arange({world}).reshape({shape}) "
+                f"with mesh_dim_names={tuple(canonical)!r}, or DeviceMesh.from_sizes(...)"
+            )
+    return core, names
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceMesh:
     """The parallel layout of a job: a `twinkle_fn.Mesh` plus upstream's extra attributes.
 
-    Build it with `from_sizes` (or from a `twinkle_fn.Mesh` directly). ``device_type`` is kept
+    Build it with `from_sizes`, from a `twinkle_fn.Mesh`, or as upstream does from a rank array:
+    ``DeviceMesh(mesh=np.arange(8).reshape(2, 4), mesh_dim_names=('dp', 'tp'))``. The array
+    must lay ranks out as the core does (Megatron order, tp fastest: the names read in the
+    order ``pp, dp, fsdp, cp, tp``, any of them left out), as `from_sizes`'s meshes and
+    upstream's tests do; other layouts are refused. After construction ``mesh`` is always the
+    core `twinkle_fn.Mesh`, and ``mesh_dim_names``, ``ep_size``, ``etp_size``,
+    ``ep_fsdp_size`` and ``sequence_parallel`` hold the mesh's values. ``device_type`` is kept
     for upstream compatibility; the core picks CUDA when it is available.
     """
 
-    mesh: Mesh = dataclasses.field(default_factory=Mesh)
-    device_type: str | None = None
-    ulysses_size: int | None = None
+    mesh: Any = dataclasses.field(default_factory=Mesh)
+    mesh_dim_names: tuple[str, ...] | None = None
+    ep_size: int | None = None
+    etp_size: int | None = None
+    ep_fsdp_size: int | None = None
     vpp_size: int | None = None
+    ulysses_size: int | None = None
+    sequence_parallel: bool | None = None
+    device_type: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mesh, Mesh):
-            raise TypeError(f"mesh must be a twinkle_fn.Mesh, got {type(self.mesh).__name__}")
+        if isinstance(self.mesh, Mesh):
+            if self.mesh_dim_names is not None:
+                raise ValueError(
+                    f"mesh_dim_names={self.mesh_dim_names!r} names the axes of a rank array; a "
+                    "twinkle_fn.Mesh names its own: leave mesh_dim_names unset"
+                )
+            mesh = self.mesh
+            for field, value in (
+                ("ep_size", self.ep_size),
+                ("etp_size", self.etp_size),
+                ("sequence_parallel", self.sequence_parallel),
+            ):
+                have = getattr(mesh, field.removesuffix("_size"))
+                if value is not None and value != have:
+                    raise ValueError(
+                        f"{field}={value!r} disagrees with the mesh's {have!r}; set it on the "
+                        "twinkle_fn.Mesh and leave it unset here"
+                    )
+            names = tuple(a for a in _UPSTREAM_ORDER if a == "dp" or getattr(mesh, a) > 1)
+        else:
+            mesh, names = _mesh_from_array(
+                self.mesh, self.mesh_dim_names, self.ep_size, self.etp_size, self.sequence_parallel
+            )
+        if self.ep_fsdp_size is not None and self.ep_fsdp_size != mesh.edp:
+            raise ValueError(
+                f"ep_fsdp_size={self.ep_fsdp_size!r} but this mesh shards experts over "
+                f"world // (etp * ep * pp) = {mesh.edp} ranks; leave ep_fsdp_size unset"
+            )
         if _optional_size("vpp_size", self.vpp_size) > 1:
             raise ValueError(
                 f"vpp_size={self.vpp_size}: virtual pipeline parallelism is not supported "
@@ -66,6 +173,13 @@ class DeviceMesh:
                 "supported by this build; leave ulysses_size unset (tp_size with "
                 "sequence_parallel=True splits sequences across tensor-parallel ranks)"
             )
+        # Frozen: the normalized values are written once, here.
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "mesh_dim_names", names)
+        object.__setattr__(self, "ep_size", mesh.ep)
+        object.__setattr__(self, "etp_size", mesh.etp)
+        object.__setattr__(self, "ep_fsdp_size", mesh.edp if mesh.ep > 1 else self.ep_fsdp_size)
+        object.__setattr__(self, "sequence_parallel", mesh.sequence_parallel)
 
     @staticmethod
     def from_sizes(
@@ -79,6 +193,7 @@ class DeviceMesh:
         cp_size: int | None = None,
         ep_size: int | None = None,
         etp_size: int | None = 1,
+        ep_fsdp_size: int | None = None,
         vpp_size: int | None = None,
         device_type: str | None = None,
         sequence_parallel: bool = False,
@@ -87,8 +202,11 @@ class DeviceMesh:
 
         With the default ``world_size=1`` the world is the product of the sizes; a larger
         `world_size` must equal that product, or, with ``dp_size=None``, dp fills the rest.
+        ``ep_fsdp_size`` may be left out (the core shards experts over ``world // (etp * ep *
+        pp)`` ranks, upstream's ``world // ep`` without pp or etp) or given as that number.
         Raises ``ValueError`` for sizes that do not multiply to `world_size`, for
-        ``vpp_size > 1`` or ``ulysses_size > 1``, and for what `twinkle_fn.Mesh` rejects.
+        ``vpp_size > 1`` or ``ulysses_size > 1``, another ``ep_fsdp_size``, and for what
+        `twinkle_fn.Mesh` rejects.
         """
         sizes = {
             "fsdp": _optional_size("fsdp_size", fsdp_size),
@@ -98,7 +216,12 @@ class DeviceMesh:
             "ep": _optional_size("ep_size", ep_size),
             "etp": _optional_size("etp_size", etp_size),
         }
-        extra = {"ulysses_size": ulysses_size, "vpp_size": vpp_size, "device_type": device_type}
+        extra = {
+            "ulysses_size": ulysses_size,
+            "vpp_size": vpp_size,
+            "device_type": device_type,
+            "ep_fsdp_size": ep_fsdp_size,
+        }
         if dp_size is None:
             return DeviceMesh(
                 Mesh.from_world(world_size, **sizes, sequence_parallel=sequence_parallel), **extra
@@ -157,29 +280,9 @@ class DeviceMesh:
         return self.mesh.etp
 
     @property
-    def ep_size(self) -> int:
-        """Upstream's attribute name for the expert-parallel size."""
-        return self.mesh.ep
-
-    @property
-    def etp_size(self) -> int:
-        """Upstream's attribute name for the expert tensor-parallel size."""
-        return self.mesh.etp
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Megatron-style sequence parallelism over the tensor-parallel group."""
-        return self.mesh.sequence_parallel
-
-    @property
     def data_world_size(self) -> int:
         """Distinct data shards: ``dp * fsdp``."""
         return self.mesh.data_world_size
-
-    @property
-    def mesh_dim_names(self) -> tuple[str, ...]:
-        """Axes of size > 1 in upstream's order (``fsdp, pp, dp, cp, tp``); dp always."""
-        return tuple(a for a in ("fsdp", "pp", "dp", "cp", "tp") if a == "dp" or self.has_dim(a))
 
     @property
     def order(self) -> str:
