@@ -194,9 +194,11 @@ class TrainableModel(abc.ABC):
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
         """Training: the last step's ``loss`` (token mean over its micro-batches and data
         ranks), ``grad_norm``, ``lr``, ``num_tokens`` and ``step``. Evaluation: the token-mean
-        ``loss`` over this rank's `forward_only` calls since the last call (then reset)."""
+        ``loss`` and ``num_tokens`` of the `forward_only` calls since the last call (then
+        reset), over every data rank: every rank gets the same numbers, as upstream's. The
+        evaluation call is a collective: every rank calls it."""
         g = self._resolve(adapter_name)
-        return g.pending.metrics() if is_training else _group.pop_eval(g)
+        return g.pending.metrics() if is_training else _group.pop_eval(g, self.device_mesh)
 
     # Settings.
     @remote_function()

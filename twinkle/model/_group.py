@@ -18,10 +18,12 @@ import torch
 
 import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
+from twinkle.device_mesh import DeviceMesh
 from twinkle.model import optim
 from twinkle.model._accumulate import Pending
 from twinkle.processor import InputProcessor
 from twinkle.template import Template
+from twinkle_fn.distributed import gather_tensors, world_size
 from twinkle_fn.optim import GradientTransformation, Schedule
 
 LOSSES = ("CrossEntropyLoss", "cross_entropy")
@@ -208,11 +210,23 @@ def add_eval(g: Group, out: ModelOutput) -> None:
     g.eval_sums[1] += out["num_tokens"]
 
 
-def pop_eval(g: Group) -> dict[str, float | int]:
+def pop_eval(g: Group, mesh: DeviceMesh) -> dict[str, float | int]:
     """The token-mean ``loss`` and ``num_tokens`` of the evaluation forwards since the last
-    call; resets the sums."""
+    call, over every data rank of `mesh` (each rank reports the same numbers, as upstream's
+    ``LossMetric`` gathers over the data-parallel group); resets the sums.
+
+    A collective on more than one rank: every rank of the world must call it. Each data rank
+    counts once (its tp/pp/cp peers hold the same sums)."""
     loss_sum, num_tokens = g.eval_sums
     g.eval_sums = [0.0, 0.0]
+    if world_size() > 1:
+        local = torch.tensor([loss_sum, num_tokens], dtype=torch.float64)
+        gathered = gather_tensors({"sums": local})
+        per_data_rank: dict[int, torch.Tensor] = {}
+        for rank in sorted(gathered):
+            data_rank = mesh.get_data_rank_from_global_rank(rank)
+            per_data_rank.setdefault(data_rank, gathered[rank]["sums"])
+        loss_sum, num_tokens = (float(x) for x in sum(per_data_rank.values()))
     return {"loss": loss_sum / max(num_tokens, 1.0), "num_tokens": int(num_tokens)}
 
 

@@ -272,7 +272,8 @@ class MegatronModel(TrainableModel):
     def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
         """An evaluation forward (no gradient): this rank's token-mean ``loss``,
         ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
-        on every pipeline stage; ``calculate_metric(is_training=False)`` averages them."""
+        on every pipeline stage; ``calculate_metric(is_training=False)`` token-weights them
+        over the data ranks."""
         g, batch = self._encode(adapter_name, inputs)
         got = tf.token_logps(self._ensure_state(g), batch)
         out = ModelOutput(
