@@ -30,8 +30,13 @@ class OptimizerSpec:
 
     def transform(self, lr: float | Schedule) -> GradientTransformation:
         """The transform with learning rate `lr` (a float or a schedule)."""
-        make = tf.optim.adamw if self.name == "AdamW" else tf.optim.sgd
+        make = tf.optim.adamw if self.name in ("AdamW", "Adam") else tf.optim.sgd
         return make(lr, **self.kwargs)
+
+
+# torch's implementation switches: they pick a kernel, not the update, so they are accepted and
+# ignored (the core has its own kernels).
+_KERNEL_SWITCHES = ("foreach", "fused", "capturable")
 
 
 def _adamw(
@@ -45,6 +50,26 @@ def _adamw(
         raise ValueError("AdamW(amsgrad=True) is not supported; use amsgrad=False")
     b1, b2 = betas
     return OptimizerSpec("AdamW", lr, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def _adam(
+    lr: float = DEFAULT_LR,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+) -> OptimizerSpec:
+    # torch's Adam adds weight_decay * p to the gradient (L2, scaled by Adam's normaliser), an
+    # update AdamW's decoupled decay does not reproduce; without decay the two are the same.
+    if weight_decay:
+        raise ValueError(
+            f"Adam(weight_decay={weight_decay}) is coupled L2 regularisation, which this build "
+            "does not have; use weight_decay=0, or 'AdamW' for decoupled weight decay"
+        )
+    if amsgrad:
+        raise ValueError("Adam(amsgrad=True) is not supported; use amsgrad=False")
+    b1, b2 = betas
+    return OptimizerSpec("Adam", lr, dict(b1=b1, b2=b2, eps=eps, weight_decay=0.0))
 
 
 def _sgd(
@@ -65,13 +90,17 @@ def _sgd(
 OPTIMIZERS: dict[str, Callable[..., OptimizerSpec]] = {
     "AdamW": _adamw,
     "default": _adamw,
+    "Adam": _adam,
     "SGD": _sgd,
 }
 
 
 def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> OptimizerSpec:
-    """The optimizer named by `optimizer_cls` (a name, or ``torch.optim.AdamW``/``SGD``) with
-    torch's keyword arguments (``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum``...).
+    """The optimizer named by `optimizer_cls` (a name, or ``torch.optim.AdamW``/``Adam``/
+    ``SGD``) with torch's keyword arguments (``lr``, ``weight_decay``, ``betas``, ``eps``,
+    ``momentum``...). ``Adam`` is taken without weight decay only (then it is AdamW with
+    ``weight_decay=0``). torch's kernel switches ``foreach``, ``fused`` and ``capturable``
+    are accepted and ignored: they choose how torch computes the update, not the update.
 
     Raises ``ValueError`` for an unknown optimizer (listing the known ones) or an unsupported
     setting, ``TypeError`` for an argument the optimizer does not take.
@@ -80,13 +109,14 @@ def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> OptimizerSpec:
     if name not in OPTIMIZERS:
         raise ValueError(
             f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)} "
-            "(torch.optim.AdamW and torch.optim.SGD by class too)"
+            "(torch.optim.AdamW, torch.optim.Adam and torch.optim.SGD by class too)"
         )
     if "params" in kwargs:
         raise ValueError(
             "set_optimizer(params=...) is not supported: the trainable parameters are the "
             "model's (or its adapter's), with weight decay on matrices only"
         )
+    kwargs = {k: v for k, v in kwargs.items() if k not in _KERNEL_SWITCHES}
     spec = OPTIMIZERS[name](**kwargs)
     spec.transform(spec.lr)  # check the hyper-parameters now, not at the first step
     return spec
