@@ -181,3 +181,43 @@ def test_activation_checkpointing_gives_the_same_grads():
         grads.append(tf.fwd_bwd(_state(model), batch)[0])
     for name, g in grads[0].params.items():
         torch.testing.assert_close(grads[1].params[name], g, rtol=1e-12, atol=0)
+
+
+def _poisoned(state, value):
+    """Grads of one batch with `value` (NaN or inf) written into one gradient entry."""
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2, seed=4)))
+    next(iter(grads.params.values())).view(-1)[0] = value
+    return grads
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_step_raises_naming_step_and_value_and_leaves_state_usable(value):
+    state = tf.step(_state(), tf.fwd_bwd(_state(), pack(random_features(2)))[0])[0]
+    before = state.copy()
+    grads = _poisoned(state, value)
+    with pytest.raises(tf.NonFiniteError, match=r"step 1: .*gradient norm (nan|inf)"):
+        tf.step(state, grads)
+    assert not state.donated and not grads.donated
+    for a, b in zip(tree_leaves(state), tree_leaves(before), strict=True):
+        assert torch.equal(a, b)
+    tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])  # still usable
+
+
+def test_nonfinite_step_skips_on_request():
+    state = _state()
+    before = state.copy()
+    new, info = tf.step(state, _poisoned(state, float("nan")), on_nonfinite="skip")
+    assert info["skipped"] and not torch.isfinite(info["grad_norm"])
+    assert int(new.step) == 0 and not torch.equal(new.rng, before.rng)
+    for name, p in new.params.items():
+        assert torch.equal(p, before.params[name]), name
+    for a, b in zip(tree_leaves(new.opt_state), tree_leaves(before.opt_state), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unknown_on_nonfinite_is_named_before_anything_is_donated():
+    state = _state()
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2)))
+    with pytest.raises(ValueError, match=r"on_nonfinite must be one of .*'ignore'"):
+        tf.step(state, grads, on_nonfinite="ignore")
+    assert not state.donated and not grads.donated
