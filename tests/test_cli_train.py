@@ -1,6 +1,8 @@
 """`twinkle train` end to end on CPU: outputs, learning, and bad input."""
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -98,3 +100,14 @@ def test_bad_mesh_is_named(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--mesh", "dp=two"])
     assert "--mesh" in capsys.readouterr().err
+
+
+def test_divergence_stops_naming_the_step_and_keeps_the_good_checkpoint(run_dir, tmp_path, capsys):
+    shutil.copytree(run_dir / "checkpoint", tmp_path / "checkpoint")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint").iterdir() if p.is_file()}
+    args = ["train", *SMALL, "--steps", "6", "--lr", "1e30", "--output-dir", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "diverged" in err and re.search(r"step \d+: loss (nan|inf)", err), err
+    after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint").iterdir() if p.is_file()}
+    assert after == before

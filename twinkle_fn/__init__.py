@@ -12,6 +12,7 @@ Immutable train states (optree pytrees) and pure functions over them::
 
 from twinkle_fn import checkpoint, data, lora, losses, models, optim, pytree, schedules
 from twinkle_fn.api import (
+    NonFiniteError,
     evaluate,
     fwd_bwd,
     grad_norm,
@@ -30,6 +31,7 @@ __all__ = [
     "DonatedError",
     "Grads",
     "Mesh",
+    "NonFiniteError",
     "Offloaded",
     "ShardSpec",
     "TrainState",

@@ -11,15 +11,16 @@ from collections.abc import Mapping
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 
 from twinkle_fn import backends, lora
 from twinkle_fn.distributed import gather_tensors, rank, world_size
 from twinkle_fn.losses import LossOutput
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
-from twinkle_fn.optim import GradientTransformation
+from twinkle_fn.optim import GradientTransformation, current_lr
 from twinkle_fn.pytree import tree_leaves
-from twinkle_fn.state import Grads, TrainState
+from twinkle_fn.state import Grads, TrainState, next_key
 
 
 def init(
@@ -225,8 +226,20 @@ def grad_norm(state: TrainState, grads: Grads) -> torch.Tensor:
     return backends.get(state.model.backend).grad_norm(state, grads)
 
 
+class NonFiniteError(FloatingPointError):
+    """Raised by `step` when the loss or the gradient norm is NaN or infinite (the state and
+    the grads it was given are left usable: nothing was updated)."""
+
+
+ON_NONFINITE = (None, "raise", "skip")
+
+
 def step(
-    state: TrainState, grads: Grads, *, donate: bool = True
+    state: TrainState,
+    grads: Grads,
+    *,
+    donate: bool = True,
+    on_nonfinite: str | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Apply one optimizer update from `grads`, normalised by their total token count.
 
@@ -235,16 +248,65 @@ def step(
     ``donate=False``. Returns the new state and ``info`` with ``loss`` (token mean), ``grad_norm``
     (before clipping), ``num_tokens`` (device tensors: no host sync) and ``lr`` (a float, or None
     when the transform has no learning rate).
+
+    Divergence guard (`on_nonfinite`): None (the default) checks nothing, so a step never waits
+    for the device. ``"raise"`` raises `NonFiniteError` naming the step and the values when the
+    loss or the gradient norm is NaN or infinite, before anything is donated or written;
+    ``"skip"`` then returns the state with its step and parameters unchanged (the RNG key
+    advances, as on an fp16 overflow) and ``info["skipped"] = True``. Either check measures the
+    gradient norm once more and syncs the host once per step (the CLI and the class API turn
+    it on: they read the loss every step anyway). A float16 model is exempt: its loss scale
+    already skips overflowed steps. A backend whose optimizer measures the norm inside its
+    update (megatron) is guarded on the loss alone. Raises `DonatedError` for a donated state
+    or grads, ``ValueError`` for an unknown `on_nonfinite` or ``donate=False`` on a sharded
+    model.
     """
     state.check_alive()
     grads.check_alive()
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
     if not donate and state.model.placement is not None:
         raise ValueError(
             "step(donate=False) copies the state, but a sharded model computes with one set of "
             "parameters; use donate=True (save a checkpoint to keep an earlier state)"
         )
     backend = backends.get(state.model.backend)
+    if on_nonfinite is not None and state.model.compute_dtype != torch.float16:
+        skipped = _nonfinite_guard(state, grads, on_nonfinite)
+        if skipped is not None:
+            new = _take(state, "step", donate)
+            _take(grads, "step", donate)
+            return new.replace(rng=next_key(new.rng)), skipped
     return backend.update(_take(state, "step", donate), _take(grads, "step", donate))
+
+
+def _nonfinite_guard(state: TrainState, grads: Grads, on_nonfinite: str) -> dict[str, Any] | None:
+    """None when this step's loss and gradient norm are finite on every rank; else raise
+    `NonFiniteError` (``"raise"``) or return the ``info`` of a skipped step (``"skip"``)."""
+    backend = backends.get(state.model.backend)
+    loss = grads.loss_sum / grads.num_tokens.clamp(min=1)
+    norm = backend.grad_norm(state, grads) if backend.offers_grad_norm else torch.tensor(0.0)
+    # on the loss's device: NCCL reduces device tensors only
+    finite = torch.isfinite(loss).all() & torch.isfinite(norm.to(loss.device)).all()
+    finite = finite.to(torch.int32)
+    if world_size() > 1:  # every rank must take the same branch: the update is a collective
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if bool(finite):
+        return None
+    if on_nonfinite == "raise":
+        raise NonFiniteError(
+            f"step {int(state.step)}: loss {float(loss)}, gradient norm {float(norm)} (on this "
+            "rank) is not finite; nothing was updated and the state is still usable. Lower the "
+            "learning rate, check the data, or pass on_nonfinite='skip' to skip such steps"
+        )
+    lr = current_lr(state.opt_state)
+    return {
+        "loss": loss,
+        "grad_norm": norm,
+        "num_tokens": grads.num_tokens,
+        "lr": lr,
+        "skipped": True,
+    }
 
 
 def _take[T: (TrainState, Grads)](obj: T, by: str, donate: bool) -> T:

@@ -211,3 +211,45 @@ def test_shard_and_unshard_dispatch_on_the_first_argument():
     with pytest.raises(TypeError, match="takes no mesh or model"):
         tf.unshard(state, tf.Mesh(), state.model)
     assert tf.unshard(state).keys() == state.params.keys()
+
+
+def _poisoned(state, value):
+    """Grads of one batch with `value` (NaN or inf) written into one gradient entry."""
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2, seed=4)))
+    next(iter(grads.params.values())).view(-1)[0] = value
+    return grads
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_step_raises_naming_step_and_value_and_leaves_state_usable(value):
+    state = tf.step(_state(), tf.fwd_bwd(_state(), pack(random_features(2)))[0])[0]
+    before = state.copy()
+    grads = _poisoned(state, value)
+    unguarded = tf.step(state, grads, donate=False)[1]  # the default checks nothing
+    assert not torch.isfinite(unguarded["grad_norm"])
+    with pytest.raises(tf.NonFiniteError, match=r"step 1: .*gradient norm (nan|inf)"):
+        tf.step(state, grads, on_nonfinite="raise")
+    assert not state.donated and not grads.donated
+    for a, b in zip(tree_leaves(state), tree_leaves(before), strict=True):
+        assert torch.equal(a, b)
+    tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])  # still usable
+
+
+def test_nonfinite_step_skips_on_request():
+    state = _state()
+    before = state.copy()
+    new, info = tf.step(state, _poisoned(state, float("nan")), on_nonfinite="skip")
+    assert info["skipped"] and not torch.isfinite(info["grad_norm"])
+    assert int(new.step) == 0 and not torch.equal(new.rng, before.rng)
+    for name, p in new.params.items():
+        assert torch.equal(p, before.params[name]), name
+    for a, b in zip(tree_leaves(new.opt_state), tree_leaves(before.opt_state), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unknown_on_nonfinite_is_named_before_anything_is_donated():
+    state = _state()
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2)))
+    with pytest.raises(ValueError, match=r"on_nonfinite must be one of .*'ignore'"):
+        tf.step(state, grads, on_nonfinite="ignore")
+    assert not state.donated and not grads.donated

@@ -12,7 +12,7 @@ A module may hold several named adapters where the backend supports it (the tran
 backend does; megatron trains one per model): one is active at a time, and `set_adapter`
 selects the one a following ``tf.init`` builds its state over.
 
-The helpers below the front (`lora_config`, `check_adapters_only`, `write_adapter`) are what
+The helpers below the front (`lora_config`, `check_adapters_only`, `write_adapter`, `write_adapter_into`) are what
 every backend's LoRA shares.
 """
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 
 from twinkle_fn import backends
-from twinkle_fn.checkpoint import replace_dir
+from twinkle_fn.checkpoint import staged
 from twinkle_fn.distributed import rank, world_size
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
@@ -103,14 +101,25 @@ def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:
 
     The directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` for
     ``peft.PeftModel.from_pretrained(base_model, path)``. Every rank must call it (the shards
-    are gathered); rank 0 writes into a temporary sibling and renames it into place. Raises
-    ``ValueError`` as `adapter_state_dict`, and ``RuntimeError`` on every rank when rank 0
-    fails to write (its error is in the message).
+    are gathered); rank 0 writes into a temporary sibling and switches it into place in one
+    atomic step (`twinkle_fn.checkpoint.staged`). Raises ``ValueError`` as
+    `adapter_state_dict`, and ``RuntimeError`` on every rank when rank 0 fails to write (its
+    error is in the message).
     """
+    with staged(path) as directory:
+        save_adapter_into(state, directory)
+    return Path(path)
+
+
+def save_adapter_into(state: TrainState, directory: str | os.PathLike[str]) -> Path:
+    """Write the adapter files of `save_adapter` into the existing `directory` with no switch:
+    for a save made of several parts inside one `twinkle_fn.checkpoint.staged` block. Every
+    rank must call it. Raises as `save_adapter`."""
     state.check_alive()
     backend = backends.get(state.model.backend)
     config = backend.adapter_config(state)
-    return write_adapter(config, state.model.config, backend.adapter_state_dict(state), path)
+    weights = backend.adapter_state_dict(state)
+    return write_adapter_into(config, state.model.config, weights, directory)
 
 
 def lora_config(config: LoraConfig | Mapping[str, Any]) -> LoraConfig:
@@ -162,15 +171,29 @@ def write_adapter(
     """Write a peft adapter directory at `path` from rank 0: `config` as peft records it (task
     ``CAUSAL_LM``, base model from `hf_config`) and `weights` (peft file keys); returns the path.
 
-    Every rank must call it. Rank 0 writes a temporary sibling and renames it into place,
-    replacing an older directory only once the new one is complete. Raises ``RuntimeError`` on
-    every rank when rank 0 fails to write (its error is in the message).
+    Every rank must call it. Rank 0 writes a temporary sibling and switches it into place in one
+    atomic step (`twinkle_fn.checkpoint.staged`), so an older directory stays until the new one
+    is complete. Raises ``RuntimeError`` on every rank when rank 0 fails to write (its error is
+    in the message).
     """
-    path = Path(path)
+    with staged(path) as directory:
+        write_adapter_into(config, hf_config, weights, directory)
+    return Path(path)
+
+
+def write_adapter_into(
+    config: LoraConfig,
+    hf_config: Any,
+    weights: Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+) -> Path:
+    """`write_adapter`'s files written into the existing `directory` with no switch. Every rank
+    must call it; returns the directory. Raises as `write_adapter`."""
+    directory = Path(directory)
     error = None
     if rank() == 0:
         try:
-            _write_adapter(config, hf_config, weights, path)
+            _write_adapter(config, hf_config, weights, directory)
         except Exception as e:  # reported to every rank below, so none waits forever
             error = f"{type(e).__name__}: {e}"
     if world_size() > 1:
@@ -178,12 +201,12 @@ def write_adapter(
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise RuntimeError(f"rank 0 could not write the adapter to {path}: {error}")
-    return path
+        raise RuntimeError(f"rank 0 could not write the adapter to {directory}: {error}")
+    return directory
 
 
 def _write_adapter(
-    config: LoraConfig, hf_config: Any, weights: Mapping[str, torch.Tensor], path: Path
+    config: LoraConfig, hf_config: Any, weights: Mapping[str, torch.Tensor], directory: Path
 ) -> None:
     config = copy.deepcopy(config)
     # What PeftModel.save_pretrained records, so from_pretrained builds a PeftModelForCausalLM.
@@ -192,13 +215,6 @@ def _write_adapter(
     config.base_model_name_or_path = config.base_model_name_or_path or (
         getattr(hf_config, "_name_or_path", None) or None
     )
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        config.save_pretrained(tmp)
-        cpu = {k: v.detach().cpu() for k, v in weights.items()}
-        save_file(cpu, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    config.save_pretrained(directory)
+    cpu = {k: v.detach().cpu() for k, v in weights.items()}
+    save_file(cpu, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})

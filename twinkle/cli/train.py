@@ -136,7 +136,13 @@ def train(args: argparse.Namespace) -> Summary:
         for micro in split_features(batch_feats, args.micro_batches):
             grads, _ = tf.fwd_bwd(state, pack(micro), accum=grads)
             tokens += sum(len(f["input_ids"]) for f in micro)
-        state, info = tf.step(state, grads)
+        try:
+            state, info = tf.step(state, grads, on_nonfinite="raise")
+        except tf.NonFiniteError as e:
+            raise ValueError(
+                f"training diverged, stopping without saving (any checkpoint in {out} is left "
+                f"as it was): {e}"
+            ) from e
         losses.append(float(info["loss"]))
         bar.set_postfix(
             loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}"

@@ -60,7 +60,7 @@ class Pending:
         """`state` after one update of its own transform from the pending gradients (then
         cleared); records ``last_step`` (the core's tensors, read by `metrics`)."""
         assert self.grads is not None
-        state, info = tf.step(state, self.grads)
+        state, info = tf.step(state, self.grads, on_nonfinite="raise")
         self.clear()
         self.last_step = {
             "loss": info["loss"],

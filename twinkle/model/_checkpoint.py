@@ -44,31 +44,34 @@ def save(
     consumed_train_samples: int,
 ) -> None:
     """Write `state` to `path`: the full model (always with its optimizer state) when group `g`
-    trains no adapter, else the adapter as a peft directory (`twinkle_fn.lora.save_adapter`), with its optimizer state
-    when `save_optimizer`. The training state also records the step,
-    `consumed_train_samples` and the group's accumulation steps (`resume_info`). Every rank
+    trains no adapter, else the adapter as a peft directory (`twinkle_fn.lora.save_adapter`),
+    with its optimizer state in ``train_state/`` when `save_optimizer`. The training state also
+    records the step, `consumed_train_samples` and the group's accumulation steps
+    (`resume_info`). Every part is written into one staged directory that replaces `path` in a
+    single atomic switch, so an interrupted save leaves the previous save whole. Every rank
     must call it."""
     extra = {
         "cur_step": int(state.step),
         "consumed_train_samples": consumed_train_samples,
         "gradient_accumulation_steps": g.gradient_accumulation_steps,
     }
-    if not g.name:
-        tf.checkpoint.save(state, path, tokenizer=tokenizer, extra=extra)
-        return
-    tf.lora.save_adapter(state, path)
-    if save_optimizer:
-        tf.checkpoint.save(state, path / TRAIN_STATE_DIR, extra=extra)
-    if tokenizer is not None and current_rank() == 0:
-        tokenizer.save_pretrained(path)
+    with tf.checkpoint.staged(path) as directory:
+        if not g.name:
+            tf.checkpoint.save_into(state, directory, tokenizer=tokenizer, extra=extra)
+            return
+        tf.lora.save_adapter_into(state, directory)
+        if save_optimizer:
+            tf.checkpoint.save_into(state, directory / TRAIN_STATE_DIR, extra=extra)
+        if tokenizer is not None and current_rank() == 0:
+            tokenizer.save_pretrained(directory)
 
 
 def checkpoint_dir(name: str | os.PathLike[str], output_dir: Any) -> Path:
     """``output_dir/name``; without `output_dir`, `name` itself, else ``output/name``.
     Raises ``ValueError`` when that directory does not exist."""
-    path = Path(name) if output_dir is None else Path(output_dir) / name
+    path = tf.checkpoint.current(Path(name) if output_dir is None else Path(output_dir) / name)
     if output_dir is None and not path.is_dir():
-        path = Path("output") / name
+        path = tf.checkpoint.current(Path("output") / name)
     if not path.is_dir():
         raise ValueError(f"checkpoint directory {path} does not exist")
     return path

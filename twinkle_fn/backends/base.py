@@ -33,6 +33,10 @@ class Backend(Protocol):
     """Whether each rank reads its own slices of a checkpoint when the model is placed (then
     `twinkle_fn.models.from_pretrained` builds a meta skeleton and loads nothing)."""
 
+    offers_grad_norm: bool
+    """Whether `grad_norm` measures the gradients before `update` (megatron's optimizer measures
+    them only inside its update, so `tf.step`'s divergence guard checks the loss alone there)."""
+
     def module_device(self) -> torch.device:
         """Where a freshly built HF module lives unless the caller says otherwise."""
         ...

@@ -103,6 +103,7 @@ class MegatronBackend:
     """`twinkle_fn.backends.base.Backend` over megatron-core (see the module docstring)."""
 
     reads_own_weights = True
+    offers_grad_norm = False
 
     def module_device(self) -> torch.device:
         """The CPU: the HF module only lends the ``GPTModel`` its initial weights."""

@@ -40,6 +40,7 @@ class TransformersBackend:
     """`twinkle_fn.backends.base.Backend` over `compute` and `fsdp` (placement)."""
 
     reads_own_weights = False
+    offers_grad_norm = True
 
     def module_device(self) -> torch.device:
         """The GPU when there is one, else the CPU."""
