@@ -76,28 +76,27 @@ def vocab_parallel_terms(
     label is ignored, the same on every rank of the tensor-parallel group (a collective over
     it: every rank must call this).
     """
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp_size, tp_rank = group.size(), group.rank()
     local = logits.shape[-1]
     start = tp_rank * local
     real = min(max(vocab_size - start, 0), local)
     z = logits[..., :real].float()  # [..., real]: this rank's columns of the real vocabulary
-    # [...]; a rank holding only padding columns adds nothing to the max
+    # [...]; a rank holding only padding columns (z empty) adds nothing to the max or the sums
     shift = z.detach().amax(dim=-1) if real else z.new_full(z.shape[:-1], float("-inf"))
     if tp_size > 1:
-        dist.all_reduce(
-            shift, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
-        )
+        dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
     exp = torch.exp(z - shift.unsqueeze(-1))  # [..., real]
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(-1))  # [...]
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(-1), group)  # [...]
     lse = shift + torch.log(sum_exp)  # [...]
     supervised = labels != IGNORE_INDEX
     target = labels - start
     mine = supervised & (target >= 0) & (target < real)
-    picked = z.gather(-1, torch.where(mine, target, 0).unsqueeze(-1)).squeeze(-1)
-    target_logit = reduce_from_tensor_model_parallel_region(torch.where(mine, picked, 0.0))
+    index = torch.where(mine, target, 0).unsqueeze(-1)
+    picked = z.gather(-1, index).squeeze(-1) if real else z.new_zeros(labels.shape)
+    target_logit = reduce_from_tensor_model_parallel_region(torch.where(mine, picked, 0.0), group)
     logps = torch.where(supervised, target_logit - lse, 0.0)
     if not entropy:
         return logps, None
-    mean_logit = reduce_from_tensor_model_parallel_region((exp * z).sum(-1)) / sum_exp  # [...]
+    mean_logit = reduce_from_tensor_model_parallel_region((exp * z).sum(-1), group) / sum_exp
     return logps, torch.where(supervised, lse - mean_logit, 0.0)
