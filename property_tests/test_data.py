@@ -118,6 +118,56 @@ def test_split_batch_matches_collating_each_split(feats, data):
             assert torch.equal(part[key], batch[key][idx])
 
 
+value = st.floats(-1e3, 1e3, width=32)
+
+
+@st.composite
+def features_with_fields(draw):
+    """Features with a per-token ``old_logps`` and a per-sample ``reward``."""
+    feats = draw(features)
+    return [
+        {
+            **f,
+            "old_logps": draw(
+                st.lists(value, min_size=len(f["labels"]), max_size=len(f["labels"]))
+            ),
+            "reward": draw(value),
+        }
+        for f in feats
+    ]
+
+
+def _unpadded_fields(batch, row, n):
+    return {key: batch[key][row, :n].tolist() for key in ("old_logps", "reward")}
+
+
+@SETTINGS
+@given(features_with_fields(), st.data())
+def test_fields_stay_with_their_tokens_through_collation_packing_and_splitting(feats, data):
+    want = [
+        {"old_logps": f["old_logps"], "reward": [f["reward"]] * len(f["labels"])} for f in feats
+    ]
+    padded = pad_collate(feats, pad_token_id=0)
+    packed = pack(feats)
+    bounds = packed["cu_seqlens"].tolist()
+    for row, f in enumerate(feats):
+        n = len(f["labels"])
+        assert _unpadded_fields(padded, row, n) == want[row]
+        assert all(padded[key][row, n:].eq(0).all() for key in ("old_logps", "reward"))
+        a, b = bounds[row], bounds[row + 1]
+        assert {key: packed[key][0, a:b].tolist() for key in want[row]} == want[row]
+    parts = data.draw(st.integers(1, len(feats)))
+    rows = split_features(list(range(len(feats))), parts)
+    for part, idx in zip(split_batch(padded, parts), rows, strict=True):
+        for i, row in enumerate(idx):
+            assert _unpadded_fields(part, i, len(feats[row]["labels"])) == want[row]
+    for group, idx in zip(split_features(feats, parts), rows, strict=True):
+        again = pack(group)
+        assert torch.equal(
+            again["old_logps"][0], packed["old_logps"][0, bounds[idx[0]] : bounds[idx[-1] + 1]]
+        )
+
+
 @SETTINGS
 @given(st.lists(st.integers(1, 10), min_size=1, max_size=15), st.integers(10, 25))
 def test_pack_greedy_partitions_within_capacity(lengths, max_tokens):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from twinkle_fn import backends, lora
 from twinkle_fn.distributed import gather_tensors, rank, world_size
-from twinkle_fn.losses import LossOutput
+from twinkle_fn.losses import LossOutput, TokenLoss, check_loss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
 from twinkle_fn.optim import GradientTransformation, current_lr
@@ -147,24 +147,32 @@ def fwd_bwd(
     batch: Mapping[str, torch.Tensor],
     accum: Grads | None = None,
     *,
+    loss: TokenLoss | None = None,
     donate: bool = True,
 ) -> tuple[Grads, dict[str, torch.Tensor]]:
     """Gradients of the token-summed loss of `batch`; the state is never modified.
 
     `batch` is a padded (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``, each
-    ``[B, T]``) or packed (``[1, T]`` plus ``cu_seqlens``) batch with labels already shifted.
+    ``[B, T]``) or packed (``[1, T]`` plus ``cu_seqlens``) batch with labels already shifted,
+    plus any batch fields `loss` reads (each shaped like ``labels``). `loss` is the default
+    cross entropy (None: each backend's fused kernel) or a `twinkle_fn.losses.TokenLoss`, a
+    function of per-token log-probabilities and batch fields returning a token sum and count.
     With `accum`, this batch's gradients are added to it: `accum` is donated (reusing it raises)
     unless ``donate=False``. Returns ``(grads, aux)``, aux holding this micro-batch's
     ``loss_sum`` and ``num_tokens``. A module holding several LoRA adapters computes with the
-    state's own (`twinkle_fn.backends.transformers.lora.use_adapter`). Raises `DonatedError` for a donated state or
-    accum.
+    state's own (`twinkle_fn.lora.use_adapter`). Raises `DonatedError` for
+    a donated state or accum; ``TypeError`` / ``ValueError`` (before any compute) for a `loss`
+    that is not a `TokenLoss`, needs what no backend gives (``values``) or reads a field
+    `batch` lacks (see `twinkle_fn.losses.check_loss`).
     """
     state.check_alive()
+    if loss is not None:
+        check_loss(loss, batch)
     if accum is not None:
         accum.check_alive()
         accum = _take(accum, "fwd_bwd", donate)
     lora.use_adapter(state)
-    return backends.get(state.model.backend).fwd_bwd(state, batch, accum)
+    return backends.get(state.model.backend).fwd_bwd(state, batch, accum, loss)
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import twinkle_fn as tf
+from twinkle_fn import backends
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.pytree import tree_leaves
 from twinkle_fn.testing import random_features, tiny_config
@@ -253,3 +254,25 @@ def test_unknown_on_nonfinite_is_named_before_anything_is_donated():
     with pytest.raises(ValueError, match=r"on_nonfinite must be one of .*'ignore'"):
         tf.step(state, grads, on_nonfinite="ignore")
     assert not state.donated and not grads.donated
+
+
+def test_a_loss_that_cannot_run_is_refused_before_compute(monkeypatch):
+    """A missing field, a request for value estimates, or what is not a loss: the backend is
+    never reached and `accum` is not donated."""
+    state = _state()
+    feats = random_features(3, seed=4)
+    accum, _ = tf.fwd_bwd(state, pack(feats))
+
+    def no_compute(*args):
+        raise AssertionError("the backend computed")
+
+    monkeypatch.setattr(type(backends.get(state.model.backend)), "fwd_bwd", no_compute)
+    critic = tf.losses.token_loss(lambda inputs: None, needs=["values"])
+    for loss, error, match in (
+        (tf.losses.policy_gradient(), ValueError, "reads batch field 'advantages'"),
+        (critic, ValueError, "no model has a value head"),
+        (lambda inputs: None, TypeError, "must be a TokenLoss"),
+    ):
+        with pytest.raises(error, match=match):
+            tf.fwd_bwd(state, pack(feats), accum, loss=loss)
+    accum.check_alive()

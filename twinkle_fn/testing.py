@@ -63,6 +63,46 @@ def random_features(
     return feats
 
 
+def policy_gradient_reference(
+    module: torch.nn.Module, features: list[dict[str, Any]], entropy_coef: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`twinkle_fn.losses.policy_gradient`'s loss sum over `features` (with ``advantages``) and
+    its gradients by parameter name, written out over a plain forward of `module` on the
+    right-padded batch, in the module's dtype (float64 for a reference)."""
+    ids, labels, advantages, mask, positions = (
+        torch.zeros(len(features), max(len(f["input_ids"]) for f in features), dtype=dtype)
+        for dtype in (torch.int64, torch.int64, torch.float64, torch.int64, torch.int64)
+    )
+    labels.fill_(-100)
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n], labels[row, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"])
+        advantages[row, :n] = torch.tensor(f["advantages"], dtype=torch.float64)
+        mask[row, :n], positions[row, :n] = 1, torch.arange(n)
+    logits = module(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+    ).logits  # [B, T, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
+    entropy = -(logp.exp() * logp).sum(-1)  # [B, T]
+    terms = -(advantages.to(logp.dtype) * picked) - entropy_coef * entropy
+    loss_sum = (terms * (labels != -100)).sum()
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad(loss_sum, list(params.values()))
+    return loss_sum.detach(), dict(zip(params, grads, strict=True))
+
+
+def with_advantages(features: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """`features`, each with per-token ``advantages`` in ``[-1, 1)`` (the batch field of
+    `twinkle_fn.losses.policy_gradient`); the inputs are not modified. Multiples of 1/1024, so
+    that float32 (collation's dtype for floats) holds them exactly."""
+    rng = random.Random(seed)
+    return [
+        {**f, "advantages": [rng.randrange(-1024, 1024) / 1024 for _ in f["input_ids"]]}
+        for f in features
+    ]
+
+
 def run_triton_interpreted(code: str, *args: str) -> None:
     """Run Python `code` (with `args` as ``sys.argv[1:]``) in a fresh process under Triton's CPU
     interpreter, so a kernel's logic is tested without a GPU.

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from peft import LoraConfig
 
-from twinkle_fn.losses import LossOutput
+from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import Grads, TrainState
@@ -64,9 +64,17 @@ class Backend(Protocol):
         ...
 
     def fwd_bwd(
-        self, state: TrainState, batch: Mapping[str, torch.Tensor], accum: Grads | None
+        self,
+        state: TrainState,
+        batch: Mapping[str, torch.Tensor],
+        accum: Grads | None,
+        loss: TokenLoss | None,
     ) -> tuple[Grads, dict[str, torch.Tensor]]:
-        """Gradients of the token-summed loss, added into `accum` (already taken) if given."""
+        """Gradients of the token-summed loss, added into `accum` (already taken) if given.
+
+        `loss` None is the default cross entropy (the backend's fused kernel); a `TokenLoss`
+        (already checked against `batch` by `twinkle_fn.losses.check_loss`) runs on the
+        per-token log-probabilities, and the entropy when it needs it, in float32."""
         ...
 
     def token_logps(

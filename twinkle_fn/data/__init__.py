@@ -1,8 +1,9 @@
 """Data: encoding chats and text into features, collation, packing and micro-batching.
 
 A feature is ``{"input_ids": list[int], "labels": list[int]}`` with labels already shifted
-(``labels[t]`` is the target of position ``t``; -100 is ignored). `pad_collate` and `pack` turn
-features into padded or padding-free batches of tensors.
+(``labels[t]`` is the target of position ``t``; -100 is ignored), plus any numbers a loss reads
+(per token or per sample, see `feature_fields`). `pad_collate` and `pack` turn features into
+padded or padding-free batches of tensors.
 """
 
 from twinkle_fn.data.arithmetic import arithmetic_dataset, train_heldout_split
@@ -12,6 +13,7 @@ from twinkle_fn.data.collate import (
     Feature,
     check_features,
     check_supervised,
+    feature_fields,
     num_supervised_tokens,
     pad_collate,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "encode_messages",
     "encode_rows",
     "encode_text",
+    "feature_fields",
     "load_jsonl",
     "num_supervised_tokens",
     "pack",

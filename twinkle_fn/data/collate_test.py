@@ -102,3 +102,89 @@ def test_check_supervised_refuses_device_tensors():
         check_supervised({"labels": labels})
     with pytest.raises(ValueError, match="no 'labels'"):
         check_supervised({"input_ids": labels})
+
+
+def _with_fields():
+    """FEATURES with a per-token float field, a per-sample number, a per-sample flag, and text
+    (which is no batch field)."""
+    return [
+        {
+            **f,
+            "old_logps": [-0.5 * (t + 1) for t in range(len(f["input_ids"]))],
+            "reward": r,
+            "keep": r > 0,
+            "prompt": "text",
+        }
+        for f, r in zip(FEATURES, (1.5, -2, 3), strict=True)
+    ]
+
+
+def test_pad_collate_carries_per_token_and_per_sample_fields_padded_with_zeros():
+    batch = pad_collate(_with_fields(), pad_token_id=0, pad_to_multiple_of=3)
+    assert set(batch) == {
+        "input_ids",
+        "labels",
+        "attention_mask",
+        "position_ids",
+        "old_logps",
+        "reward",
+        "keep",
+    }
+    assert batch["old_logps"].dtype == torch.float32 and batch["old_logps"].shape == (3, 6)
+    assert batch["old_logps"].tolist() == [
+        [-0.5, -1.0, -1.5, 0, 0, 0],
+        [-0.5, 0, 0, 0, 0, 0],
+        [-0.5, -1.0, -1.5, -2.0, -2.5, 0],
+    ]
+    # one number per sample: repeated over its tokens (ints and floats together: float32)
+    assert batch["reward"].dtype == torch.float32
+    assert batch["reward"].tolist() == [[1.5] * 3 + [0] * 3, [-2] + [0] * 5, [3] * 5 + [0]]
+    assert batch["keep"].dtype == torch.bool
+    assert batch["keep"].tolist() == [[True] * 3 + [False] * 3, [False] * 6, [True] * 5 + [False]]
+
+
+def test_a_features_own_layout_keys_are_rebuilt_not_carried():
+    feats = [
+        {**f, "attention_mask": [1] * len(f["input_ids"]), "position_ids": [7]} for f in FEATURES
+    ]
+    assert set(pad_collate(feats, pad_token_id=0)) == {
+        "input_ids",
+        "labels",
+        "attention_mask",
+        "position_ids",
+    }
+    assert pad_collate(feats, pad_token_id=0)["position_ids"][0].tolist() == [0, 1, 2, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (
+            lambda f: f[1].update(old_logps=[0.0, 1.0]),
+            ValueError,
+            r"features\[1\]\['old_logps'\] has 2 values but the sample has 1 tokens",
+        ),
+        (
+            lambda f: f[2].pop("reward"),
+            ValueError,
+            r"features\[2\] has no number\(s\) for 'reward'",
+        ),
+        (lambda f: f[0].update(reward=None), ValueError, r"features\[0\] has no number"),
+        (
+            lambda f: f[0].update(reward=[[1.0]] * 3),
+            TypeError,
+            r"\['reward'\] must be a number or a flat",
+        ),
+        (
+            lambda f: f[0].update(reward=["a", "b", "c"]),
+            TypeError,
+            r"\['reward'\] must be a number",
+        ),
+    ],
+    ids=["misaligned", "missing", "none", "nested", "text list"],
+)
+def test_fields_that_cannot_be_collated_are_named(change, error, match):
+    feats = _with_fields()
+    change(feats)
+    with pytest.raises(error, match=match):
+        pad_collate(feats, pad_token_id=0)

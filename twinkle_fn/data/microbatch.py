@@ -41,7 +41,8 @@ def split_features[T](features: Sequence[T], num_micro_batches: int) -> list[lis
 def split_batch(batch: Mapping[str, Any], num_micro_batches: int) -> list[dict[str, torch.Tensor]]:
     """Split a padded batch (every value a ``[batch, ...]`` tensor) along dim 0.
 
-    Same sizes as `split_features`. The pieces are views of the input tensors.
+    Same sizes as `split_features`. The pieces are views of the input tensors; every key is
+    split, batch fields for a loss (``advantages`` ``[batch, seq]``...) included.
 
     Raises:
         ValueError: a packed batch (it has ``cu_seqlens``: split the features, then pack each

@@ -52,3 +52,13 @@ def test_split_batch_errors():
         split_batch({**batch, "max_seqlen": 4}, 1)
     with pytest.raises(ValueError, match="empty batch"):
         split_batch({}, 1)
+
+
+def test_split_batch_carries_a_losss_fields_with_their_rows():
+    lengths = [3, 1, 4, 1, 5]
+    features, _ = _batch(lengths)
+    features = [{**f, "advantages": float(i)} for i, f in enumerate(features)]  # per sample
+    micro = split_batch(pad_collate(features, pad_token_id=0), 2)
+    for part, rows in zip(micro, split_features(list(range(5)), 2), strict=True):
+        want = [[float(i)] * lengths[i] + [0.0] * (5 - lengths[i]) for i in rows]
+        assert part["advantages"].tolist() == want

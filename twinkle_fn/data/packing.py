@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from twinkle_fn.data.collate import Feature, check_features
+from twinkle_fn.data.collate import Feature, check_features, feature_fields
 
 
 def pack(features: Sequence[Feature]) -> dict[str, Any]:
@@ -21,12 +21,14 @@ def pack(features: Sequence[Feature]) -> dict[str, Any]:
     restart at 0 for every feature), ``cu_seqlens`` int32 ``[n + 1]`` (feature boundaries,
     starting at 0 and ending at ``total``) and ``max_seqlen`` (an int, the longest feature).
     There is no ``attention_mask``: kernels isolate samples through ``cu_seqlens`` or the mask
-    from `packed_attention_mask`.
+    from `packed_attention_mask`. Each of the features' `feature_fields` is concatenated like
+    the labels: ``[1, total]`` in its own dtype.
 
     Raises:
-        TypeError/ValueError: malformed features (see `check_features`).
+        TypeError/ValueError: malformed features (see `check_features` and `feature_fields`).
     """
     check_features(features)
+    fields = feature_fields(features)
     lengths = [len(f["input_ids"]) for f in features]
     input_ids = [t for f in features for t in f["input_ids"]]
     labels = [t for f in features for t in f["labels"]]
@@ -39,6 +41,7 @@ def pack(features: Sequence[Feature]) -> dict[str, Any]:
         "position_ids": position_ids.unsqueeze(0),
         "cu_seqlens": cu_seqlens,
         "max_seqlen": max(lengths),
+        **{name: torch.cat(values).unsqueeze(0) for name, values in fields.items()},
     }
 
 

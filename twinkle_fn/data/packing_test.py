@@ -143,3 +143,19 @@ def test_packed_mask_makes_a_transformers_model_match_the_padded_batch():
             position_ids=padded["position_ids"],
         ).logits[padded["attention_mask"].bool()]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_pack_concatenates_fields_like_the_labels():
+    feats = [
+        {**f, "advantages": [float(t) for t in f["input_ids"]], "reward": i}
+        for i, f in enumerate(FEATURES)
+    ]
+    packed = pack(feats)
+    padded = pad_collate(feats, pad_token_id=0)
+    real = padded["attention_mask"].bool()
+    assert packed["advantages"].dtype == torch.float32 and packed["reward"].dtype == torch.int64
+    for key in ("advantages", "reward"):
+        assert packed[key].shape == packed["labels"].shape == (1, 9)
+        assert torch.equal(packed[key][0], padded[key][real]), key
+    assert packed["reward"][0].tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    assert torch.equal(packed["advantages"], packed["input_ids"].float())

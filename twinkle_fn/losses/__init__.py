@@ -6,12 +6,28 @@ from twinkle_fn.losses.fused_linear_ce import (
     fused_linear_cross_entropy_sum,
     supervised_rows,
 )
+from twinkle_fn.losses.token_loss import (
+    PolicyGradient,
+    TokenInputs,
+    TokenLoss,
+    check_loss,
+    policy_gradient,
+    token_entropy,
+    token_loss,
+)
 
 __all__ = [
     "LossOutput",
+    "PolicyGradient",
+    "TokenInputs",
+    "TokenLoss",
     "TokenLossOutput",
+    "check_loss",
     "cross_entropy_sum",
     "fused_linear_cross_entropy_sum",
+    "policy_gradient",
     "supervised_rows",
+    "token_entropy",
     "token_logps",
+    "token_loss",
 ]

@@ -51,7 +51,7 @@ initialised (seed 0); the state's ``rng`` key advances with every step but does 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ from twinkle_fn.backends.megatron.placement import (
     place,
 )
 from twinkle_fn.backends.megatron.train import forward_backward, merge_logps, micro_batches
-from twinkle_fn.losses import LossOutput
+from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 from twinkle_fn.optim import apply_updates, current_lr
@@ -159,11 +159,17 @@ class MegatronBackend:
         return LossOutput(loss_sum, num_tokens)
 
     def fwd_bwd(
-        self, state: TrainState, batch: Mapping[str, Tensor], accum: Grads | None
+        self,
+        state: TrainState,
+        batch: Mapping[str, Tensor],
+        accum: Grads | None,
+        loss: TokenLoss | None,
     ) -> tuple[Grads, dict[str, Tensor]]:
         """Token-sum gradients of `batch`, accumulated in the DDP grad buffers.
 
-        Without `accum` the buffers are zeroed first; with it, `accum` must be the `Grads` that
+        `loss` None is the default cross entropy (fused at tp 1); a `TokenLoss` runs on the last
+        stage over `twinkle_fn.backends.megatron.token_terms`, its batch fields carried by every
+        micro-batch. Without `accum` the buffers are zeroed first; with it, `accum` must be the `Grads` that
         owns them (the latest one, donated). Returns `Grads` whose tensors are views of the
         buffers and this call's ``loss_sum`` / ``num_tokens`` and ``logps`` (per-token
         ``log p(label)`` in `batch`'s layout, see `evaluate_logps`). The views hold this rank's
@@ -175,7 +181,7 @@ class MegatronBackend:
         """
         placement = model_placement(state.model)
         params = None if accum is None else _live(placement, accum, "fwd_bwd(accum=...)")
-        mbs = _micro_batches(placement, batch)
+        mbs = _micro_batches(placement, batch, () if loss is None else loss.fields)
         if placement.overlap_grad_reduce:
             # A plain transform reads whole gradients: all-reduce them rather than scatter.
             all_reduce = not isinstance(state.opt_state, MegatronOptState)
@@ -189,7 +195,7 @@ class MegatronBackend:
             params = {n: p.main_grad for n, p in state.params.items()}
             placement.live_grads = params
         loss_sum, num_tokens, logps = forward_backward(
-            placement.chunks, mbs, placement.hf_config.vocab_size
+            placement.chunks, mbs, placement.hf_config.vocab_size, loss=loss
         )
         if placement.overlap_grad_reduce:
             grad_sync.finish_backward(placement.chunks)
@@ -382,7 +388,9 @@ def _merged(batch: Mapping[str, Tensor], mbs: list[Any], logps: list[Tensor]) ->
     return merge_logps(batch, mbs, logps, cp_group=group if group.size() > 1 else None)
 
 
-def _micro_batches(placement: MegatronPlacement, batch: Mapping[str, Tensor]) -> list[Any]:
+def _micro_batches(
+    placement: MegatronPlacement, batch: Mapping[str, Tensor], fields: Sequence[str] = ()
+) -> list[Any]:
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -395,6 +403,7 @@ def _micro_batches(placement: MegatronPlacement, batch: Mapping[str, Tensor]) ->
         cp_size=placement.mesh.cp,
         cp_rank=parallel_state.get_context_parallel_rank(),
         device=device,
+        fields=fields,
     )
 
 

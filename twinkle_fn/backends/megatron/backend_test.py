@@ -31,7 +31,7 @@ from twinkle_fn.backends.transformers.compute import model_inputs
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
 from twinkle_fn.losses import token_logps
-from twinkle_fn.testing import no_host_sync, random_features, tiny_config
+from twinkle_fn.testing import no_host_sync, random_features, tiny_config, with_advantages
 from twinkle_fn.testing_dist import spawn
 
 STEPS = 3
@@ -55,6 +55,18 @@ MESHES = {
     "cp2": ("qwen2", {"cp": 2}, {}, "padded"),
     "cp2-packed": ("qwen3_moe", {"cp": 2}, {}, "packed"),  # q/k norms, MoE, THD chunks
 }
+# A loss other than the default (per-token advantages, entropy bonus) on qwen2:
+# name -> (mesh sizes, backend options, batch layout)
+PG = tf.losses.policy_gradient(entropy_coef=0.1)
+LOSS_MESHES = {
+    # vocabulary padded to 128 (a multiple of 2 x 32): rank 0 holds ids 0-63, rank 1 ids 64-95
+    "tp2": ({"tp": 2}, {"vocab_multiple": 32}, "packed"),
+    "cp2": ({"cp": 2}, {}, "packed"),  # each packed sample's zigzag chunks, fields with them
+    "pp2": ({"pp": 2}, {"num_micro_batches": 2}, "padded"),  # fields reach the last stage
+}
+
+
+BACKENDS = ("transformers", "megatron")
 
 
 def _config(name):
@@ -80,9 +92,19 @@ def _hf_names(params, name):
     return revert_weight_conversion(AutoModelForCausalLM.from_config(_config(name)), params)
 
 
-def _train(name, sizes=None, options=None, layout="packed", backend="megatron", tx=None, **kw):
-    """STEPS steps on this rank's slice of each global batch, then an evaluation of the whole
-    first batch: ``({infos, params, eval}, state)``."""
+def _train(
+    name,
+    sizes=None,
+    options=None,
+    layout="packed",
+    backend="megatron",
+    tx=None,
+    loss=None,
+    **kw,
+):
+    """STEPS steps on this rank's slice of each global batch (a `loss` other than the default
+    gets per-token advantages), then an evaluation of the whole first batch:
+    ``({infos, params, eval}, state)``."""
     mesh = tf.Mesh(**(sizes or {}))
     state = tf.init(_model(name, backend, options=options, **kw), tx or _tx(backend), mesh)
     # The initial weights' log-probs of the whole first batch, and of this rank's slice.
@@ -92,7 +114,10 @@ def _train(name, sizes=None, options=None, layout="packed", backend="megatron", 
     infos = []
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
-        grads, aux = tf.fwd_bwd(state, _batch(feats[mesh.get_slice(len(feats), rank())], layout))
+        if loss is not None:
+            feats = with_advantages(feats, seed=i)
+        mine = _batch(feats[mesh.get_slice(len(feats), rank())], layout)
+        grads, aux = tf.fwd_bwd(state, mine, loss=loss)
         logps.setdefault("fwd_bwd", aux.get("logps"))
         state, info = tf.step(state, grads)
         infos.append({k: float("nan") if v is None else float(v) for k, v in info.items()})
@@ -186,7 +211,7 @@ def _own_process_group():
 def _one_process():
     refs = {}
     for name in CONFIGS:
-        for backend in ("transformers", "megatron"):
+        for backend in BACKENDS:
             refs[name, backend], state = _train(name, backend=backend)
             if (name, backend) == ("qwen2", "megatron"):
                 adam_kernels = _adam_kernels(state)
@@ -198,6 +223,7 @@ def _one_process():
         plain_transform=_train("qwen2", tx=_tx("transformers"))[0],
         compiled=_compiled(),
         adam_kernels=adam_kernels,
+        policy_gradient={b: _train("qwen2", backend=b, loss=PG)[0] for b in BACKENDS},
     )
     parallel.destroy()
     checks["own_group"] = _own_process_group()
@@ -213,6 +239,8 @@ def _two_ranks(weights_dir):
     results = {}
     for name, (model, sizes, options, layout) in MESHES.items():
         results[name] = _train(model, sizes, options, layout)[0]
+    for name, (sizes, options, layout) in LOSS_MESHES.items():
+        results["pg-" + name] = _train("qwen2", sizes, options, layout, loss=PG)[0]
     # Context parallelism keeps whole parameters on every rank: a plain transform applies.
     results["cp2-plain-transform"] = _train("qwen2", {"cp": 2}, tx=_tx("transformers"))[0]
     results["gather-plain-transform"] = _train(
@@ -337,6 +365,18 @@ def test_accumulated_calls_and_micro_batches_equal_one_batch(one_process):
         assert loss == pytest.approx(whole_loss, rel=LOSS_RTOL)
         for n, p in params.items():
             torch.testing.assert_close(p, whole[n], rtol=0, atol=PARAM_ATOL, msg=n)
+
+
+def test_a_token_loss_on_one_process_matches_the_transformers_backend(one_process):
+    runs = one_process[1]["policy_gradient"]
+    _assert_same_run(runs["megatron"], runs["transformers"])
+
+
+@pytest.mark.parametrize("mesh", list(LOSS_MESHES))
+def test_a_token_loss_on_a_mesh_matches_one_process(one_process, two_ranks, mesh):
+    want = one_process[1]["policy_gradient"]["megatron"]
+    for results, _, _ in two_ranks[1]:
+        _assert_same_run(results["pg-" + mesh], want)
 
 
 def test_stale_or_copied_gradients_and_direct_updates_are_refused(one_process):

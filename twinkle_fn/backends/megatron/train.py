@@ -10,7 +10,10 @@
   megatron-core's vocab-parallel cross entropy, so full ``[tokens, vocab]`` logits are never
   gathered.
   With tensor-parallel size 1 the fused loss (`twinkle_fn.backends.megatron.fused_loss`) replaces it
-  and the logits never exist in full.
+  and the logits never exist in full. A loss other than the default cross entropy (a
+  `twinkle_fn.losses.TokenLoss`) gets each token's log-probability (and entropy) from
+  `twinkle_fn.backends.megatron.token_terms` instead, and the batch fields it reads, which every
+  micro-batch carries through the context-parallel split to the last pipeline stage.
 - `forward_backward` runs megatron-core's schedule (1F1B when pp > 1) over the micro-batches and
   returns the token-summed loss and the supervised-token count of this data rank, the same on
   every pipeline stage and context-parallel rank, and each micro-batch's per-token
@@ -26,7 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,9 +52,11 @@ from twinkle_fn.backends.megatron.fused_loss import (
     fused_token_losses,
 )
 from twinkle_fn.backends.megatron.packed_rotary import with_rotary
+from twinkle_fn.backends.megatron.token_terms import token_terms
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.microbatch import split_batch, split_features
-from twinkle_fn.losses import supervised_rows
+from twinkle_fn.losses import TokenInputs, TokenLoss, supervised_rows
+from twinkle_fn.losses.token_loss import apply_loss
 
 PAD_TOKEN_ID = 0  # fills positions added to reach a sequence multiple; their labels are ignored
 
@@ -67,8 +72,9 @@ class MicroBatch:
     flat indices of the supervised labels in the ``[s, b]`` layout of the last stage's hidden
     states, found before the forward so the fused loss does not sync the host mid-step.
     ``bounds`` are ``packed``'s boundaries as host ints (set exactly when ``packed`` is), so
-    that nothing reads them back from the device. Raises ``ValueError`` when only one of the
-    two is set.
+    that nothing reads them back from the device. ``fields`` are the batch fields a loss reads,
+    by name, each laid out like ``labels`` (0 where `micro_batches` added padding). Raises
+    ``ValueError`` when only one of ``packed`` and ``bounds`` is set.
     """
 
     input_ids: Tensor
@@ -77,6 +83,7 @@ class MicroBatch:
     packed: PackedSeqParams | None = None
     supervised_rows: Tensor | None = None
     bounds: tuple[int, ...] | None = None
+    fields: Mapping[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.packed is None) != (self.bounds is None):
@@ -94,6 +101,7 @@ def micro_batches(
     cp_size: int = 1,
     cp_rank: int = 0,
     device: torch.device | str = "cpu",
+    fields: Sequence[str] = (),
 ) -> list[MicroBatch]:
     """Split a padded or packed `batch` into `num_micro_batches` megatron micro-batches.
 
@@ -104,7 +112,8 @@ def micro_batches(
     splits it over tp); a packed row gets the padding as one more sample. With `cp_size` > 1,
     context-parallel rank `cp_rank` keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
     of ``2 * cp_size`` equal ones of each row (of each packed sample, each padded to a multiple
-    of ``2 * cp_size``). Tensors are moved to `device`.
+    of ``2 * cp_size``). Tensors are moved to `device`. The batch `fields` named (each shaped
+    like ``labels``: a loss's inputs) go along with the labels, 0 on the padding added here.
 
     Raises ``ValueError`` for missing or misshapen fields, left padding or position ids that
     do not restart per row / per packed sample (megatron's rotary embedding assumes both),
@@ -119,10 +128,17 @@ def micro_batches(
     if isinstance(seq_multiple, bool) or not isinstance(seq_multiple, int) or seq_multiple < 1:
         raise ValueError(f"seq_multiple must be a positive int, got {seq_multiple!r}")
     multiple = sequence_multiple(cp_size, seq_multiple)
+    extra = {name: _field(batch, name) for name in fields}
+    for name, value in extra.items():
+        if value.shape != labels.shape:
+            raise ValueError(
+                f"batch[{name!r}] {list(value.shape)} and labels {list(labels.shape)} differ in "
+                "shape; a loss's batch fields are laid out like the labels"
+            )
     if "cu_seqlens" in batch:
-        out = _packed(batch, ids, labels, num_micro_batches, multiple, cp_size)
+        out = _packed(batch, ids, labels, extra, num_micro_batches, multiple, cp_size)
     else:
-        out = _padded(batch, ids, labels, num_micro_batches, multiple)
+        out = _padded(batch, ids, labels, extra, num_micro_batches, multiple)
     return [_to(_on_cp_rank(mb, cp_size, cp_rank), torch.device(device)) for mb in out]
 
 
@@ -141,7 +157,12 @@ def _pad_cols(t: Tensor, multiple: int, value: int) -> Tensor:
 
 
 def _padded(
-    batch: Mapping[str, Any], ids: Tensor, labels: Tensor, n: int, multiple: int
+    batch: Mapping[str, Any],
+    ids: Tensor,
+    labels: Tensor,
+    extra: Mapping[str, Tensor],
+    n: int,
+    multiple: int,
 ) -> list[MicroBatch]:
     length = ids.shape[1]
     real = torch.ones_like(ids, dtype=torch.bool)
@@ -164,8 +185,13 @@ def _padded(
             )
     ids, labels = _pad_cols(ids, multiple, PAD_TOKEN_ID), _pad_cols(labels, multiple, IGNORE_INDEX)
     positions = torch.arange(ids.shape[1], dtype=torch.int64).expand_as(ids)
-    parts = split_batch({"input_ids": ids, "labels": labels, "position_ids": positions}, n)
-    return [MicroBatch(p["input_ids"], p["position_ids"], p["labels"]) for p in parts]
+    extra = {name: _pad_cols(t, multiple, 0) for name, t in extra.items()}
+    layout = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    parts = split_batch({**extra, **layout}, n)
+    return [
+        MicroBatch(p["input_ids"], p["position_ids"], p["labels"], fields={k: p[k] for k in extra})
+        for p in parts
+    ]
 
 
 def _bounds(cu_seqlens: Any, total: int) -> list[int]:
@@ -180,7 +206,13 @@ def _bounds(cu_seqlens: Any, total: int) -> list[int]:
 
 
 def _packed(
-    batch: Mapping[str, Any], ids: Tensor, labels: Tensor, n: int, multiple: int, cp_size: int
+    batch: Mapping[str, Any],
+    ids: Tensor,
+    labels: Tensor,
+    extra: Mapping[str, Tensor],
+    n: int,
+    multiple: int,
+    cp_size: int,
 ) -> list[MicroBatch]:
     if ids.shape[0] != 1:
         raise ValueError(
@@ -202,6 +234,12 @@ def _packed(
         row_labels = torch.cat(
             [_pad_cols(labels[:, a:b], unit, IGNORE_INDEX) for a, b in samples], 1
         )
+        row_fields = {
+            name: _pad_cols(
+                torch.cat([_pad_cols(t[:, a:b], unit, 0) for a, b in samples], 1), multiple, 0
+            )
+            for name, t in extra.items()
+        }
         cu = [0, *itertools.accumulate(-(-(b - a) // unit) * unit for a, b in samples)]
         row_ids = _pad_cols(row_ids, multiple, PAD_TOKEN_ID)
         row_labels = _pad_cols(row_labels, multiple, IGNORE_INDEX)
@@ -217,7 +255,9 @@ def _packed(
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
         )
-        out.append(MicroBatch(row_ids, positions, row_labels, params, bounds=tuple(cu)))
+        out.append(
+            MicroBatch(row_ids, positions, row_labels, params, bounds=tuple(cu), fields=row_fields)
+        )
     return out
 
 
@@ -236,6 +276,7 @@ def _on_cp_rank(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
         input_ids=local(mb.input_ids),
         position_ids=local(mb.position_ids),
         labels=local(mb.labels),
+        fields={name: local(t) for name, t in mb.fields.items()},
     )
 
 
@@ -257,6 +298,7 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
         packed,
         supervised_rows(mb.labels.t(), IGNORE_INDEX, device),
         mb.bounds,
+        {name: t.to(device, non_blocking=True) for name, t in mb.fields.items()},
     )
 
 
@@ -326,12 +368,29 @@ def _loss_sum(
     return loss_sum, num_tokens, report
 
 
+def _token_loss_sum(
+    mb: MicroBatch, loss: TokenLoss, terms: Sequence[Tensor | None]
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """megatron's loss_func contract for a `TokenLoss`: `loss` of `token_terms`' output
+    (``(logps, entropy)``, each ``[b, s]``) and `mb`'s labels and fields. The report is
+    `_loss_sum`'s."""
+    logps, entropy = terms
+    out = apply_loss(loss, TokenInputs(logps, mb.labels, mb.fields, entropy))
+    report = {
+        "loss_sum": out.loss_sum.detach(),
+        "num_tokens": out.num_tokens,
+        "logps": logps.detach(),
+    }
+    return out.loss_sum, out.num_tokens, report
+
+
 def forward_backward(
     chunks: Sequence[torch.nn.Module],
     batches: Sequence[MicroBatch],
     vocab_size: int,
     *,
     forward_only: bool = False,
+    loss: TokenLoss | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Run megatron-core's schedule over `batches`; ``(loss_sum, num_tokens, logps)``.
 
@@ -346,7 +405,9 @@ def forward_backward(
     every rank of a data shard returns the same values. ``logps`` holds each micro-batch's
     per-token ``log p(label)`` (float32, 0 where the label is ignored), broadcast from the last
     stage: ``[b, s]`` in the micro-batch's own layout, this context-parallel rank's chunks
-    (`merge_logps` puts them back into the batch's layout). Raises ``ValueError`` when the
+    (`merge_logps` puts them back into the batch's layout). `loss` is the default cross entropy
+    (None) or a `TokenLoss`, computed on the last stage from `token_terms` and the micro-batches'
+    ``fields`` (the loss sum and count are then the loss's own). Raises ``ValueError`` when the
     config would normalise or reduce the gradients itself, or `batches` is empty.
     """
     config = get_model_config(chunks[0])
@@ -363,16 +424,22 @@ def forward_backward(
         packed = mb.packed
         if packed is not None:  # rotated from each token's position, in one pass per layer
             packed = with_rotary(packed, model, mb.position_ids)
+        if loss is None:
+            processor = functools.partial(_output_losses, supervised_rows=mb.supervised_rows)
+            loss_func = functools.partial(_loss_sum, mb.labels)
+        else:
+            processor = functools.partial(token_terms, entropy="entropy" in loss.needs)
+            loss_func = functools.partial(_token_loss_sum, mb, loss)
         out = model(
             mb.input_ids,
             mb.position_ids,
             None,
             labels=mb.labels,
             packed_seq_params=packed,
-            output_processor=functools.partial(_output_losses, supervised_rows=mb.supervised_rows),
+            output_processor=processor,
             output_processor_context=vocab_size,
         )
-        return out, functools.partial(_loss_sum, mb.labels)
+        return out, loss_func
 
     cp_size = parallel_state.get_context_parallel_world_size()
     reports = get_forward_backward_func()(

@@ -195,3 +195,34 @@ def test_token_losses_equal_cross_entropy_over_the_real_vocabulary(megatron_worl
     keep = labels != -100
     # megatron's cross entropy runs in float32: 1e-5
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize(("n", "multiple", "cp"), [(1, 1, 1), (2, 3, 1), (2, 4, 2)])
+def test_a_losss_fields_travel_with_their_tokens(layout, n, multiple, cp):
+    """A float copy of the input ids as a field: every micro-batch, padding and context-parallel
+    chunk included, holds it where its input ids are (the padding token is 0, as the fields'
+    padding), and `merge_logps` puts it back into the batch's layout."""
+    batch = pack(FEATS) if layout == "packed" else pad_collate(FEATS, pad_token_id=0)
+    batch["ids_copy"] = batch["input_ids"].double()
+    ranks = [
+        micro_batches(batch, n, seq_multiple=multiple, cp_size=cp, cp_rank=r, fields=["ids_copy"])
+        for r in range(cp)
+    ]
+    for mbs in ranks:
+        for mb in mbs:
+            assert mb.fields.keys() == {"ids_copy"} and mb.fields["ids_copy"].dtype == torch.float64
+            assert torch.equal(mb.fields["ids_copy"], mb.input_ids.double())
+    if cp == 1:
+        values = [mb.fields["ids_copy"] for mb in ranks[0]]
+        assert torch.equal(merge_logps(batch, ranks[0], values), batch["ids_copy"])
+    assert micro_batches(batch, 1)[0].fields == {}  # the default loss reads none
+
+
+def test_a_field_not_shaped_like_the_labels_is_refused():
+    batch = pad_collate(FEATS, pad_token_id=0)
+    batch["advantages"] = batch["labels"][:, 1:].float()
+    with pytest.raises(ValueError, match=r"batch\['advantages'\] .* differ in shape"):
+        micro_batches(batch, 1, fields=["advantages"])
+    with pytest.raises(ValueError, match="no 'rewards'"):
+        micro_batches(batch, 1, fields=["rewards"])

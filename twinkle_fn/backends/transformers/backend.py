@@ -20,7 +20,7 @@ from twinkle_fn.backends.transformers import (
 )
 from twinkle_fn.backends.transformers.lm_head import fuse_lm_head
 from twinkle_fn.backends.transformers.loss_scale import LossScale, init_loss_scale, next_loss_scale
-from twinkle_fn.losses import LossOutput
+from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 from twinkle_fn.optim import (
@@ -83,10 +83,14 @@ class TransformersBackend:
         return compute.loss_of(state, batch)
 
     def fwd_bwd(
-        self, state: TrainState, batch: Mapping[str, torch.Tensor], accum: Grads | None
+        self,
+        state: TrainState,
+        batch: Mapping[str, torch.Tensor],
+        accum: Grads | None,
+        loss: TokenLoss | None,
     ) -> tuple[Grads, dict[str, torch.Tensor]]:
         """See `twinkle_fn.backends.transformers.compute.fwd_bwd`."""
-        return compute.fwd_bwd(state, batch, accum)
+        return compute.fwd_bwd(state, batch, accum, loss)
 
     def token_logps(
         self,

@@ -1,9 +1,10 @@
 """The transformers backend's forward/backward on one process.
 
 The module computes with the state's own parameter tensors: `bind` points the module at them (a
-pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The loss is
-the fused linear + cross-entropy of the model's `FusedLMHead`, so full ``[tokens, vocab]`` logits
-are never built.
+pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The default
+loss is the fused linear + cross-entropy of the model's `FusedLMHead`, so full ``[tokens, vocab]``
+logits are never built. Any other loss (a `twinkle_fn.losses.TokenLoss`) runs on the logits of a
+plain forward: per-token log-probabilities (and entropy) in float32, then the loss.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from twinkle_fn.backends.transformers import attention
 from twinkle_fn.backends.transformers.lm_head import loss_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
-from twinkle_fn.losses import LossOutput, supervised_rows
+from twinkle_fn.losses import LossOutput, TokenLoss, supervised_rows
+from twinkle_fn.losses.token_loss import apply_loss, inputs_from_logits
 from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import LCG_INC, Grads, TrainState
@@ -158,18 +160,24 @@ def autocast(model: Model) -> contextlib.AbstractContextManager[object]:
     return torch.autocast(model.device.type, dtype=model.compute_dtype)
 
 
-def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-    """Token-summed causal-LM loss of `batch` under `state` (differentiable w.r.t. its params).
+def loss_of(
+    state: TrainState, batch: Mapping[str, torch.Tensor], loss: TokenLoss | None = None
+) -> LossOutput:
+    """Token-summed loss of `batch` under `state` (differentiable w.r.t. its params).
 
-    Runs the module's own forward with its `FusedLMHead` in loss mode, so the head returns the
-    CE sum instead of logits. The supervised tokens are found before the forward is queued: free
-    for CPU labels, and for device labels the one sync lands where the device has no work queued
-    behind it rather than mid-step.
+    The default cross entropy (`loss` None) runs the module's own forward with its `FusedLMHead`
+    in loss mode, so the head returns the CE sum instead of logits. The supervised tokens are
+    found before the forward is queued: free for CPU labels, and for device labels the one sync
+    lands where the device has no work queued behind it rather than mid-step. Another `loss`
+    gets the logits ``[B, T, vocab]`` of a plain forward turned into float32 per-token terms
+    (`twinkle_fn.losses.token_loss.inputs_from_logits`) and the batch fields it reads.
     """
     model = state.model
     module = model.module
     bind(module, state.params, sharded=model.placement is not None)
     device = model.device
+    if loss is not None:
+        return _token_loss_of(model, batch, loss)
     rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
     labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
     with autocast(model), loss_mode(module.get_output_embeddings(), labels, rows):
@@ -178,13 +186,29 @@ def loss_of(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
     return LossOutput(loss_sum, (labels != IGNORE_INDEX).sum())
 
 
+def _token_loss_of(model: Model, batch: Mapping[str, torch.Tensor], loss: TokenLoss) -> LossOutput:
+    """`loss` of the logits of a plain forward of the (already bound) module."""
+    device = model.device
+    labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
+    fields = {name: batch[name].to(device, non_blocking=True) for name in loss.fields}
+    with autocast(model):
+        inputs = model_inputs(batch, device, model.module.config)
+        logits = model.module(**inputs, use_cache=False).logits  # [B, T, vocab]
+    # outside autocast: the softmax and the loss run in float32
+    return apply_loss(loss, inputs_from_logits(logits, labels, fields, loss.needs))
+
+
 def fwd_bwd(
-    state: TrainState, batch: Mapping[str, torch.Tensor], accum: Grads | None
+    state: TrainState,
+    batch: Mapping[str, torch.Tensor],
+    accum: Grads | None,
+    loss: TokenLoss | None = None,
 ) -> tuple[Grads, dict[str, torch.Tensor]]:
     """Gradients of the token-summed loss of `batch`, added into `accum`'s buffers if given.
 
-    `accum` is consumed (its buffers become the result's); the caller handles donation. Returns
-    the new `Grads` and ``{"loss_sum", "num_tokens"}`` of this micro-batch alone.
+    `loss`: see `loss_of`. `accum` is consumed (its buffers become the result's); the caller
+    handles donation. Returns the new `Grads` and ``{"loss_sum", "num_tokens"}`` of this
+    micro-batch alone.
     """
     params = state.params
     micro_index = 0 if accum is None else accum.num_micro_batches
@@ -192,7 +216,7 @@ def fwd_bwd(
         p.grad = None if accum is None else accum.params[name]
     try:
         with _seeded(state.rng, micro_index, state.model.device):
-            out = loss_of(state, batch)
+            out = loss_of(state, batch, loss)
         ls = state.loss_scale  # float16: scale up so small gradients do not underflow
         (out.loss_sum if ls is None else out.loss_sum * float(ls.scale)).backward()
         grads = {n: _grad_like(p) for n, p in params.items()}

@@ -1,4 +1,5 @@
-"""twinkle_fn/backends/hf.py: the decoder's inputs built from a batch."""
+"""The transformers backend's compute: the decoder's inputs built from a batch, and a loss other than
+the default against its float64 reference."""
 
 import importlib
 
@@ -6,11 +7,17 @@ import pytest
 import torch
 
 import twinkle_fn as tf
+from twinkle_fn.backends.transformers import compute
 from twinkle_fn.backends.transformers.compute import model_inputs
-from twinkle_fn.data import pad_collate
+from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.models import families
 from twinkle_fn.models.families import FAMILIES
-from twinkle_fn.testing import random_features, tiny_config
+from twinkle_fn.testing import (
+    policy_gradient_reference,
+    random_features,
+    tiny_config,
+    with_advantages,
+)
 
 CPU = torch.device("cpu")
 
@@ -71,3 +78,67 @@ def test_a_mask_mapping_family_builds_no_mask(name, monkeypatch):
         module(**model_inputs(_batch(16, 16), CPU, config), use_cache=False)
         with pytest.raises(AssertionError, match="create_causal_mask ran"):
             module(**model_inputs(_batch(16, 16), CPU), use_cache=False)
+
+
+PG = tf.losses.policy_gradient(entropy_coef=0.1)
+
+
+def _float64_state(seed=0):
+    model = tf.models.from_hf_config(tiny_config("qwen2"), seed=seed, device="cpu")
+    model.module.to(torch.float64)
+    return tf.init(model, tf.optim.adamw(1e-3))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_token_loss_equals_its_float64_reference_in_value_and_gradient(layout):
+    """float64 throughout: the same sums in another order, so 1e-10 on the loss sum and on the
+    gradients (sums of a few hundred token terms of size ~1)."""
+    feats = with_advantages(random_features(5, seed=4), seed=4)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+    grads, aux = tf.fwd_bwd(_float64_state(), batch, loss=PG)
+    reference = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, device="cpu").module
+    want_sum, want_grads = policy_gradient_reference(
+        reference.to(torch.float64), feats, PG.entropy_coef
+    )
+    assert int(aux["num_tokens"]) == sum(x != -100 for f in feats for x in f["labels"])
+    torch.testing.assert_close(aux["loss_sum"], want_sum, rtol=1e-10, atol=1e-10)
+    assert grads.params.keys() == want_grads.keys()
+    for name, grad in grads.params.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_k_micro_batches_of_a_token_loss_equal_one_batch():
+    """float64: the same token terms summed in another order (1e-12 on sums, 1e-10 on grads)."""
+    feats = with_advantages(random_features(6, seed=5), seed=5)
+    state = _float64_state()
+    one, _ = tf.fwd_bwd(state, pack(feats), loss=PG, donate=False)
+    acc = None
+    for part in (feats[:2], feats[2:3], feats[3:]):
+        acc, _ = tf.fwd_bwd(state, pack(part), acc, loss=PG)
+    assert int(acc.num_tokens) == int(one.num_tokens) and acc.num_micro_batches == 3
+    torch.testing.assert_close(acc.loss_sum, one.loss_sum, rtol=1e-12, atol=1e-12)
+    for name, grad in one.params.items():
+        torch.testing.assert_close(acc.params[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_default_loss_keeps_the_fused_head_and_a_token_loss_reads_logits(monkeypatch):
+    """Unit advantages make the policy gradient the cross entropy: the fused head's loss and
+    the logits path agree (float64: 1e-10), and only the default loss puts the head in loss
+    mode."""
+    modes = []
+    real_loss_mode = compute.loss_mode
+
+    def counted(*args, **kwargs):
+        modes.append(True)
+        return real_loss_mode(*args, **kwargs)
+
+    monkeypatch.setattr(compute, "loss_mode", counted)
+    feats = [{**f, "advantages": 1.0} for f in random_features(4, seed=6)]
+    state = _float64_state()
+    fused, _ = tf.fwd_bwd(state, pack(feats), donate=False)
+    assert modes == [True]
+    logits_path, _ = tf.fwd_bwd(state, pack(feats), loss=tf.losses.policy_gradient())
+    assert modes == [True]
+    torch.testing.assert_close(logits_path.loss_sum, fused.loss_sum, rtol=1e-10, atol=0)
+    for name, grad in fused.params.items():
+        torch.testing.assert_close(logits_path.params[name], grad, rtol=1e-9, atol=1e-12, msg=name)

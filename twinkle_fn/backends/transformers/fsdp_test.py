@@ -11,7 +11,7 @@ from twinkle_fn.backends.transformers.plans import local_specs, param_specs
 from twinkle_fn.data import pack, split_features
 from twinkle_fn.distributed import rank
 from twinkle_fn.models import family, registered
-from twinkle_fn.testing import random_features, tiny_config
+from twinkle_fn.testing import random_features, tiny_config, with_advantages
 from twinkle_fn.testing_dist import spawn
 
 STEPS = 3
@@ -33,18 +33,21 @@ def _state(mesh, family="qwen2", dtype=torch.float64, precision="fp32"):
     return tf.init(model, tx, mesh)
 
 
-def _train(mesh_sizes, family="qwen2", dtype=torch.float64, precision="fp32", micro=1):
+def _train(mesh_sizes, family="qwen2", dtype=torch.float64, precision="fp32", micro=1, loss=None):
     """Train STEPS steps on this rank's slice of each global batch (in `micro` accumulated
-    micro-batches); losses and final params."""
+    micro-batches; a `loss` other than the default gets per-token advantages); losses and final
+    params."""
     mesh = tf.Mesh(**mesh_sizes)
     state = _state(mesh, family, dtype, precision)
     losses = []
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
+        if loss is not None:
+            feats = with_advantages(feats, seed=i)
         mine = feats[mesh.get_slice(len(feats), rank())] if mesh.world_size > 1 else feats
         grads = None
         for part in split_features(mine, micro):
-            grads, _ = tf.fwd_bwd(state, pack(part), accum=grads)
+            grads, _ = tf.fwd_bwd(state, pack(part), accum=grads, loss=loss)
         state, info = tf.step(state, grads)
         losses.append(float(info["loss"]))
     return losses, tf.unshard(state)
@@ -220,3 +223,26 @@ def test_sequence_parallel_is_refused_where_the_family_row_says_so():
     row = dataclasses.replace(family("qwen2"), name="qwen2_no_sp", sequence_parallel=False)
     with registered(row), pytest.raises(ValueError, match="a qwen2_no_sp model needs"):
         _check_sequence_parallel(tf.models.from_hf_config(config, seed=0))
+
+
+PG = tf.losses.policy_gradient(entropy_coef=0.1)
+
+
+def _train_pg(mesh_sizes):
+    return _train(mesh_sizes, loss=PG)
+
+
+@pytest.fixture(scope="module")
+def pg_reference():
+    return _train_pg({})
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "tp2"])
+def test_a_token_loss_on_a_mesh_matches_one_process(name, pg_reference):
+    """The policy-gradient loss with its entropy bonus (logits gathered from tp, fields of each
+    rank's slice): the tolerances of `test_mesh_matches_one_process` (float64)."""
+    ref_losses, ref_params = pg_reference
+    for losses, params in spawn(_train_pg, 2, MESHES[name]):
+        assert losses == pytest.approx(ref_losses, rel=1e-11)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)
