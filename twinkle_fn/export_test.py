@@ -26,10 +26,10 @@ LOGPS_ATOL = 1e-5
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
 
 
-def train(model, mesh=None, steps=2, feats_of=lambda feats: feats, batch_of=None):
+def train(model, mesh=None, steps=2, feats_of=lambda feats: feats, batch_of=None, tx=None):
     """`steps` AdamW steps of `model` on `mesh` (each rank its slice of each batch)."""
     batch_of = batch_of or (lambda f: pad_collate(f, pad_token_id=0))
-    state = tf.init(model, tf.optim.adamw(1e-2), mesh)
+    state = tf.init(model, tx or tf.optim.adamw(1e-2), mesh)
     for i in range(steps):
         grads, _ = tf.fwd_bwd(state, batch_of(feats_of(random_features(8, seed=10 + i))))
         state, _ = tf.step(state, grads)
@@ -59,8 +59,11 @@ def consume(stream, config, bucket_bytes, files_dir=None):
             _, unexpected = hf.load_state_dict(dict(bucket), strict=False)
             assert not unexpected, unexpected
         else:
-            save_file({n: t.contiguous() for n, t in bucket}, os.path.join(files_dir, f"{i}.st"))
-            index.update({n: f"{i}.st" for n, _ in bucket})
+            save_file(
+                {n: t.contiguous() for n, t in bucket},
+                os.path.join(files_dir, f"model-{i}.safetensors"),
+            )
+            index.update({n: f"model-{i}.safetensors" for n, _ in bucket})
     assert sorted(seen) == wanted  # each parameter once, nothing else
     if files_dir is not None:
         with open(os.path.join(files_dir, "model.safetensors.index.json"), "w") as f:
@@ -99,7 +102,7 @@ def test_the_stream_loads_into_an_hf_model_with_the_trainer_logits():
 def test_bf16_export_and_lora_modes():
     config = tiny_config("qwen2")
     model = tf.models.from_hf_config(config, seed=0)
-    tf.lora.add_lora(model, LORA)
+    model = tf.lora.add_lora(model, LORA)
     state = train(model)
     separate = [kv for b in tf.export_weights(state, lora="separate") for kv in b]
     want = tf.lora.adapter_state_dict(state)
