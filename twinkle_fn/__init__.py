@@ -8,6 +8,8 @@ Immutable train states (optree pytrees) and pure functions over them::
     state = tf.init(model, tf.optim.adamw(tf.schedules.warmup_cosine(1e-3, 10, 100)))
     grads, aux = tf.fwd_bwd(state, batch)
     state, info = tf.step(state, grads)
+    for bucket in tf.export_weights(state):  # HF-named weights, streamed to an engine
+        engine.load_weights(bucket)
 """
 
 from twinkle_fn import checkpoint, data, lora, losses, models, optim, pytree, schedules
@@ -22,6 +24,7 @@ from twinkle_fn.api import (
     token_logps,
     unshard,
 )
+from twinkle_fn.export import export_weights
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.offload import Offloaded, offload, reload
 from twinkle_fn.sharding import ShardSpec, local_shard
@@ -38,6 +41,7 @@ __all__ = [
     "checkpoint",
     "data",
     "evaluate",
+    "export_weights",
     "fwd_bwd",
     "grad_norm",
     "init",

@@ -12,7 +12,7 @@ backend's modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -181,4 +181,15 @@ class Backend(Protocol):
 
     def adapter_config(self, state: TrainState) -> LoraConfig:
         """The peft config of the adapter `state` trains."""
+        ...
+
+    # Weights out.
+    def export_weights(
+        self, state: TrainState, dtype: torch.dtype, bucket_bytes: int, lora: str
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The model's whole HF-named tensors in `dtype` on its device, in buckets of at most
+        `bucket_bytes` (one larger tensor alone), each gathered inside the ranks that hold it;
+        the same buckets on every rank (a collective). ``lora`` is ``"separate"`` (a training
+        adapter's peft-named tensors only) or ``"merged"`` (base weights with it merged), as in
+        `twinkle_fn.export.export_weights`, which checks the arguments."""
         ...

@@ -51,7 +51,7 @@ initialised (seed 0); the state's ``rng`` key advances with every step but does 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from torch import Tensor
 
 from twinkle_fn.backends.megatron import (
     dist_checkpoint,
+    export,
     grad_sync,
     lora,
     param_sync,
@@ -361,6 +362,12 @@ class MegatronBackend:
     def adapter_config(self, state: TrainState) -> LoraConfig:
         """See `twinkle_fn.backends.megatron.lora.adapter_config`."""
         return lora.adapter_config(state)
+
+    def export_weights(
+        self, state: TrainState, dtype: torch.dtype, bucket_bytes: int, lora: str
+    ) -> Iterator[list[tuple[str, Tensor]]]:
+        """See `twinkle_fn.backends.megatron.export.export_weights`."""
+        return export.export_weights(state, dtype, bucket_bytes, lora)
 
 
 @torch.no_grad()

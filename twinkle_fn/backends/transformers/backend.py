@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from twinkle_fn.backends.transformers import (
     attention,
     checkpoint,
     compute,
+    export,
     fsdp,
     logps,
     lora,
@@ -227,3 +228,9 @@ class TransformersBackend:
     def adapter_config(self, state: TrainState) -> LoraConfig:
         """See `twinkle_fn.backends.transformers.lora.adapter_config`."""
         return lora.adapter_config(state)
+
+    def export_weights(
+        self, state: TrainState, dtype: torch.dtype, bucket_bytes: int, lora: str
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """See `twinkle_fn.backends.transformers.export.export_weights`."""
+        return export.export_weights(state, dtype, bucket_bytes, lora)

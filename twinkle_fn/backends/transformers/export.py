@@ -1,0 +1,114 @@
+"""Weights out of a transformers-backend state, parameter by parameter (`twinkle_fn.export`).
+
+Each parameter of the HF module is gathered alone (``DTensor.full_tensor()``: an all-gather over
+the FSDP2 / tp mesh, which every rank of it calls in the same order), cast, and put into the
+current bucket, so a rank holds at most one bucket and the parameter being gathered. Names are
+the module's (HF, as ``state_dict`` has them; a tied output embedding appears once, as the input
+embedding). With LoRA (peft layers injected, `twinkle_fn.backends.transformers.lora`) the base
+weights sit under ``<layer>.base_layer.weight`` and the factors under
+``<layer>.lora_A.<adapter>.weight``: ``"separate"`` yields the state's adapter with peft's file
+names, ``"merged"`` yields ``<layer>.weight = W + scaling * B @ A`` (computed in float32) and
+no factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch.distributed.tensor import DTensor
+
+from twinkle_fn.backends.buckets import Bucket, buckets
+from twinkle_fn.backends.transformers import fsdp
+from twinkle_fn.backends.transformers.lora import _ADAPTER_OF_PARAM, _adapter_of_state
+from twinkle_fn.backends.transformers.lora import adapter_names as _adapter_names
+from twinkle_fn.lora import PEFT_PREFIX
+from twinkle_fn.state import TrainState
+
+_BASE = ".base_layer."
+
+
+def export_weights(
+    state: TrainState, dtype: torch.dtype, bucket_bytes: int, lora: str
+) -> Iterator[Bucket]:
+    """See `twinkle_fn.export.export_weights`. Raises ``ValueError`` (eagerly) when the state
+    trains no adapter or several on a module holding adapters, and (while streaming, with
+    ``lora="merged"``) for an adapted layer that is neither a linear nor an embedding."""
+    module = state.model.module
+    adapter = _adapter_of_state(state) if _adapter_names(module) else None
+    # A forward without backward leaves the root's parameters gathered; export reads shards.
+    fsdp.reshard(state.model)
+    if adapter is None:
+        named = _plain(module, dtype)
+    elif lora == "separate":
+        named = _adapter(module, adapter, dtype)
+    else:
+        named = _merged(module, adapter, dtype)
+    return buckets(named, bucket_bytes)
+
+
+def whole(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`param` whole, in `dtype` (a sharded `DTensor` is cast before its all-gather, which then
+    moves `dtype`'s bytes: a collective over its mesh)."""
+    t = param.detach()
+    if isinstance(t, DTensor):
+        return t.to(dtype).full_tensor()
+    return t.to(dtype)
+
+
+def _plain(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in module.named_parameters():
+        yield name, whole(param, dtype)
+
+
+def _adapter(
+    module: torch.nn.Module, adapter: str, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in module.named_parameters():
+        found = _ADAPTER_OF_PARAM.search(name)
+        if found and found[1] == adapter:
+            # peft's file names drop the adapter: ``q_proj.lora_A.default.weight`` ->
+            # ``q_proj.lora_A.weight``, ``embed.lora_embedding_A.default`` -> ``...lora_embedding_A``.
+            plain = name[: found.start(1) - 1] + name[found.end(1) :]
+            yield PEFT_PREFIX + plain, whole(param, dtype)
+
+
+def _merged(
+    module: torch.nn.Module, adapter: str, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
+    for name, param in module.named_parameters():
+        if _ADAPTER_OF_PARAM.search(name):
+            continue
+        if _BASE not in name:
+            yield name, whole(param, dtype)
+            continue
+        path, leaf = name.split(_BASE, 1)
+        layer = layers.get(path)
+        if leaf != "weight" or layer is None:
+            yield f"{path}.{leaf}", whole(param, dtype)
+            continue
+        weight = whole(param, torch.float32)
+        delta = _delta(layer, path, adapter)
+        yield f"{path}.weight", (weight if delta is None else weight + delta).to(dtype)
+
+
+def _delta(layer: LoraLayer, path: str, adapter: str) -> torch.Tensor | None:
+    """The adapter's whole update of `layer`'s weight in float32 (None where it has none)."""
+    scaling = layer.scaling.get(adapter)
+    if adapter in layer.lora_A:
+        a = whole(layer.lora_A[adapter].weight, torch.float32)
+        b = whole(layer.lora_B[adapter].weight, torch.float32)
+        delta = b @ a
+        return scaling * (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
+    if adapter in layer.lora_embedding_A:
+        a = whole(layer.lora_embedding_A[adapter], torch.float32)
+        b = whole(layer.lora_embedding_B[adapter], torch.float32)
+        return scaling * (b @ a).T
+    if scaling is None:
+        return None
+    raise ValueError(
+        f"cannot merge adapter {adapter!r} into {path!r} ({type(layer).__name__}): only linear "
+        "and embedding LoRA layers merge; export with lora='separate'"
+    )
