@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +32,8 @@ from twinkle.infra import remote_function, settings
 from twinkle.model import _build, _checkpoint, _group, _inputs, optim
 from twinkle.model._inputs import Batch
 from twinkle.processor import InputProcessor
+from twinkle_fn.export import DEFAULT_BUCKET_BYTES
+from twinkle_fn.lora import PEFT_PREFIX
 
 
 class TrainableModel(abc.ABC):
@@ -339,6 +341,71 @@ class TrainableModel(abc.ABC):
         on `MegatronModel`). A collective on several ranks. Raises ``ValueError`` for an
         unknown adapter, listing the adapters there are."""
         return tf.unshard(self._ensure_state(self._resolve(adapter_name)))
+
+    def weight_buckets(
+        self,
+        adapter_name: str | None = None,
+        *,
+        merge_and_sync: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weights of adapter `adapter_name`'s group (default: the last added; the whole
+        model without adapters) for a colocated rollout engine: `twinkle_fn.export_weights`'s
+        stream of buckets of ``(hf_name, tensor)``, each fit for ``engine.load_weights(bucket)``.
+
+        A collective: every rank iterates the whole stream. As upstream's ``merge_and_sync``:
+        True yields every HF weight with the adapter merged in; False yields the adapter alone,
+        keyed as in a peft adapter file (the engine keeps the base it loaded). Without adapters
+        both yield every weight. In-process only (a generator does not cross a Ray actor).
+        Raises ``ValueError`` for an unknown adapter and the arguments `export_weights`
+        refuses."""
+        state = self._ensure_state(self._resolve(adapter_name))
+        lora = "merged" if merge_and_sync else "separate"
+        return tf.export_weights(state, dtype=dtype, bucket_bytes=bucket_bytes, lora=lora)
+
+    @remote_function(dispatch="all")
+    def send_weights(
+        self,
+        adapter_name: str | None = None,
+        base_sync_done: bool = False,
+        merge_and_sync: bool = False,
+        *,
+        engine: Any = None,
+        dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        """Upstream's weight sync, into `engine`: an object with ``load_weights(iterable of
+        (name, tensor))`` on this rank (a colocated vLLM / SGLang worker), called once per
+        bucket of `weight_buckets` on every rank (a collective). Names are upstream's: HF
+        names, and an adapter's peft names without ``base_model.model.``.
+
+        `merge_and_sync` as `weight_buckets`. Upstream's first call of an adapter with
+        ``merge_and_sync=False`` streams the frozen base; here the engine must have loaded that
+        base from the checkpoint, so that call needs ``base_sync_done=True``.
+
+        Raises ``ValueError`` without `engine` (upstream streams through its NCCL checkpoint
+        engine between Ray actors, which twinkle has not), for `engine` without
+        ``load_weights``, for the base sync above, and as `weight_buckets`."""
+        if engine is None or not callable(getattr(engine, "load_weights", None)):
+            raise ValueError(
+                f"send_weights needs engine=<an object with load_weights(iterable of (name, "
+                f"tensor))> on each rank, got engine={engine!r}: upstream's NCCL checkpoint "
+                "engine (CheckpointEngineManager, Ray actors only) is not part of twinkle; "
+                "feed a colocated engine, or iterate weight_buckets() yourself"
+            )
+        adapters = self._groups.adapter_names
+        if adapters and not merge_and_sync and not base_sync_done:
+            raise ValueError(
+                f"send_weights(base_sync_done=False, merge_and_sync=False) on a model training "
+                f"adapters {adapters}: the frozen base is not streamed; load the engine from "
+                "the same checkpoint and pass base_sync_done=True, or merge_and_sync=True"
+            )
+        buckets = self.weight_buckets(
+            adapter_name, merge_and_sync=merge_and_sync, dtype=dtype, bucket_bytes=bucket_bytes
+        )
+        for bucket in buckets:
+            engine.load_weights([(name.removeprefix(PEFT_PREFIX), t) for name, t in bucket])
 
     @remote_function(execute="first")
     def get_train_configs(self, adapter_name: str | None = None) -> str:

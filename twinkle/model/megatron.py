@@ -31,7 +31,7 @@ dist-checkpoint LoRA states yet.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -282,6 +282,25 @@ class MegatronModel(TrainableModel):
         )
         _group.add_eval(g, out)
         return out
+
+    def get_hf_state_dict(
+        self,
+        adapter_name: str | None = None,
+        *,
+        merge_lora: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Upstream's weight export for a rollout engine: ``(hf_name, tensor)`` one by one,
+        whole HF-layout tensors from any mesh (a collective: every rank iterates it all).
+
+        As upstream, adapter `adapter_name` (default: the last added) yields its factors in
+        peft format (``base_model.model.<layer>.lora_A.weight``), and a model without adapters
+        yields every weight (upstream's ``''``); `merge_lora` yields every weight with the
+        adapter merged in instead (upstream merges the model in place around the export).
+        Raises ``ValueError`` for an unknown adapter and for ``''`` once an adapter trains."""
+        buckets = self.weight_buckets(adapter_name, merge_and_sync=merge_lora, dtype=dtype)
+        for bucket in buckets:
+            yield from bucket
 
     def forward(self, **kwargs: Any) -> None:
         """Not available: raises ``TypeError`` (megatron runs forward and backward together)."""

@@ -2,9 +2,12 @@
 
 Each parameter of the HF module is gathered alone (``DTensor.full_tensor()``: an all-gather over
 the FSDP2 / tp mesh, which every rank of it calls in the same order), cast, and put into the
-current bucket, so a rank holds at most one bucket and the parameter being gathered. Names are
-the module's (HF, as ``state_dict`` has them; a tied output embedding appears once, as the input
-embedding). With LoRA (peft layers injected, `twinkle_fn.backends.transformers.lora`) the base
+current bucket, so a rank holds at most one bucket and the parameter being gathered. Names and
+layouts are the HF checkpoint's, as the megatron backend's and as a rollout engine loads them:
+transformers 5 fuses some checkpoint tensors in memory (qwen3_moe's experts into one
+``experts.gate_up_proj``), so each parameter is reverted alone with transformers'
+``revert_weight_conversion`` (per-expert ``experts.<i>.gate_proj.weight`` ...). A tied output
+embedding appears once, as the input embedding. With LoRA (peft layers injected, `twinkle_fn.backends.transformers.lora`) the base
 weights sit under ``<layer>.base_layer.weight`` and the factors under
 ``<layer>.lora_A.<adapter>.weight``: ``"separate"`` yields the state's adapter with peft's file
 names, ``"merged"`` yields ``<layer>.weight = W + scaling * B @ A`` (computed in float32) and
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 import torch
 from peft.tuners.lora import LoraLayer
 from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.buckets import Bucket, buckets
 from twinkle_fn.backends.transformers import fsdp
@@ -40,12 +44,22 @@ def export_weights(
     # A forward without backward leaves the root's parameters gathered; export reads shards.
     fsdp.reshard(state.model)
     if adapter is None:
-        named = _plain(module, dtype)
+        named = _checkpoint_layout(module, _plain(module, dtype))
     elif lora == "separate":
         named = _adapter(module, adapter, dtype)
     else:
-        named = _merged(module, adapter, dtype)
+        named = _checkpoint_layout(module, _merged(module, adapter, dtype))
     return buckets(named, bucket_bytes)
+
+
+def _checkpoint_layout(
+    module: torch.nn.Module, named: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named`'s in-memory weights in the HF checkpoint's names and layout, one at a time:
+    transformers' conversions fuse several checkpoint tensors into one parameter, so one
+    parameter reverts alone into its checkpoint tensors."""
+    for name, tensor in named:
+        yield from revert_weight_conversion(module, {name: tensor}).items()
 
 
 def whole(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -122,3 +122,37 @@ def test_every_rank_and_a_remote_consumer_load_the_trainer_weights(two_ranks, na
         assert out["diff"] <= LOGPS_ATOL
         assert out["largest"] <= max(BOUND, biggest) and out["largest"] < total / 2
     assert two_ranks[0][name]["remote_diff"] <= LOGPS_ATOL
+
+
+def _moe_exports(model_dir):
+    """The exports (float32, name -> tensor) of one qwen3_moe checkpoint on either backend,
+    one process (megatron needs its process group)."""
+    # Here, not at the top: megatron-core takes seconds to import, and only this test needs it.
+    from twinkle_fn.backends.megatron import parallel
+    from twinkle_fn.optim import megatron_optimizer
+
+    hf = tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0)
+    hf.module.save_pretrained(model_dir)
+    gpt = tf.models.from_pretrained(model_dir, backend="megatron")
+    out = {}
+    for backend, model, tx in [
+        ("transformers", hf, tf.optim.adamw(1e-2)),
+        ("megatron", gpt, megatron_optimizer(1e-2)),
+    ]:
+        stream = tf.export_weights(tf.init(model, tx), dtype=torch.float32, bucket_bytes=BOUND)
+        out[backend] = [kv for bucket in stream for kv in bucket]
+    parallel.destroy()
+    return out
+
+
+def test_moe_export_has_the_checkpoint_names_of_the_megatron_backend(tmp_path):
+    """Both backends export qwen3_moe's experts one tensor per expert, as the checkpoint (and a
+    rollout engine) names them, not as transformers fuses them in memory."""
+    out = spawn(_moe_exports, 1, str(tmp_path / "moe"), timeout_s=300)[0]
+    mine, theirs = dict(out["transformers"]), dict(out["megatron"])
+    assert len(mine) == len(out["transformers"])  # each name once
+    assert sorted(mine) == sorted(theirs)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in mine
+    assert not any(n.endswith("experts.gate_up_proj") for n in mine)
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), name
