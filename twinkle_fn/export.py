@@ -6,8 +6,8 @@
         engine.load_weights(bucket)              # vLLM / SGLang: an iterable of (name, tensor)
 
 Each bucket is a list of ``(hf_name, tensor)``: whole tensors in the HF checkpoint layout (fused
-qkv / gate-up split back, vocabulary padding trimmed, MoE experts one tensor per expert on the
-megatron backend), on the model's device, in `dtype`. The backend gathers each tensor inside the
+qkv / gate-up split back, vocabulary padding trimmed, MoE experts one tensor per expert, as
+in HF checkpoints, on both backends), on the model's device, in `dtype`. The backend gathers each tensor inside the
 group of ranks that holds its pieces (tensor-parallel shards within the tp group, pipeline
 stages in turn from the stage that owns them, experts from their expert-parallel ranks, FSDP
 shards one parameter at a time), so no rank ever holds more than the current bucket and the
