@@ -73,3 +73,15 @@ def test_every_rank_loads_the_trainer_weights(two_ranks, name):
         assert out["largest"] <= max(BOUND, biggest) and out["largest"] < total / 2
         if "separate_names" in out:
             assert out["separate_names"] and out["separate_diff"] == 0
+
+
+def _four_ranks():
+    return _mesh_run("qwen2", {"tp": 2, "pp": 2}, {"num_micro_batches": 2}, None)
+
+
+def test_tp2_pp2_every_rank_loads_the_trainer_weights():
+    """Both splits at once: each stage gathers its tp shards, then broadcasts over the pipeline."""
+    total, biggest = model_bytes(tiny_config("qwen2"))
+    for out in spawn(_four_ranks, 4, timeout_s=600):
+        assert out["diff"] <= LOGPS_ATOL
+        assert out["largest"] <= max(BOUND, biggest) and out["largest"] < total / 2
