@@ -132,3 +132,68 @@ def no_host_sync() -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def ppo_reference_terms(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    loss: Any,
+) -> torch.Tensor:
+    """The per-token terms of `twinkle_fn.losses.ppo_loss` `loss`, written out piecewise (which
+    branch of the clipped surrogate is active) rather than as a max, in `logp`'s dtype.
+    `logp`, `entropy` and each field ``[B, T]``; returns ``[B, T]`` (unmasked)."""
+    f = {k: v.to(logp.dtype) for k, v in fields.items()}
+    adv, ratio = f["advantages"], torch.exp(logp - f["old_logps"])
+    high, low = 1 + loss.epsilon_high, 1 - loss.epsilon
+    # the clip binds where it lowers the objective: a good token pushed above 1 + eps_high,
+    # a bad one below 1 - eps; there the term is a constant (no gradient)
+    binds = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
+    bound = torch.where(adv > 0, torch.full_like(ratio, high), torch.full_like(ratio, low))
+    terms = torch.where(binds, -adv * bound, -adv * ratio)
+    if loss.tis_cap is not None:
+        terms = terms * torch.clamp(
+            torch.exp(f["old_logps"] - f["rollout_logps"]), max=loss.tis_cap
+        )
+    if loss.beta:
+        if loss.kl_estimator == "k1":
+            kl = logp - f["ref_logps"]
+        else:
+            kl = torch.exp(f["ref_logps"] - logp) - (f["ref_logps"] - logp) - 1
+        terms = terms + loss.beta * kl
+    terms = terms - loss.entropy_coef * entropy
+    if loss.aggregation != "token_mean":
+        terms = terms * f["loss_weights"]
+    return terms
+
+
+def ppo_reference(
+    module: torch.nn.Module, features: list[dict[str, Any]], loss: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`ppo_reference_terms`' loss sum over `features` (carrying `loss.fields`, per token or per
+    sample) and its gradients by parameter name, over a plain forward of `module` on the
+    right-padded batch, in the module's dtype (float64 for a reference)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids, labels, mask, positions = (
+        torch.zeros(len(features), width, dtype=torch.int64) for _ in range(4)
+    )
+    labels.fill_(-100)
+    fields = {name: torch.zeros(len(features), width, dtype=torch.float64) for name in loss.fields}
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n], labels[row, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"])
+        mask[row, :n], positions[row, :n] = 1, torch.arange(n)
+        for name in loss.fields:
+            fields[name][row, :n] = torch.as_tensor(f[name], dtype=torch.float64)
+    logits = module(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
+    ).logits  # [B, T, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T]
+    supervised = labels != -100
+    terms = ppo_reference_terms(logp, entropy, fields, loss)
+    loss_sum = torch.where(supervised, terms, 0.0).sum()
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad(loss_sum, list(params.values()))
+    return loss_sum.detach(), dict(zip(params, grads, strict=True))

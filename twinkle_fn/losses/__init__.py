@@ -1,11 +1,13 @@
 """Losses as token sums plus token counts; the caller takes the mean once over all of them."""
 
+from twinkle_fn.losses.advantages import group_advantages
 from twinkle_fn.losses.cross_entropy import LossOutput, cross_entropy_sum, token_logps
 from twinkle_fn.losses.fused_linear_ce import (
     TokenLossOutput,
     fused_linear_cross_entropy_sum,
     supervised_rows,
 )
+from twinkle_fn.losses.ppo import ClippedSurrogate, aggregation_weights, ppo_loss
 from twinkle_fn.losses.token_loss import (
     PolicyGradient,
     TokenInputs,
@@ -17,15 +19,19 @@ from twinkle_fn.losses.token_loss import (
 )
 
 __all__ = [
+    "ClippedSurrogate",
     "LossOutput",
     "PolicyGradient",
     "TokenInputs",
     "TokenLoss",
     "TokenLossOutput",
+    "aggregation_weights",
     "check_loss",
     "cross_entropy_sum",
     "fused_linear_cross_entropy_sum",
+    "group_advantages",
     "policy_gradient",
+    "ppo_loss",
     "supervised_rows",
     "token_entropy",
     "token_logps",
