@@ -197,3 +197,31 @@ def ppo_reference(
     params = dict(module.named_parameters())
     grads = torch.autograd.grad(loss_sum, list(params.values()))
     return loss_sum.detach(), dict(zip(params, grads, strict=True))
+
+
+def with_rl_fields(features: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """`features` (not modified) with every field `twinkle_fn.losses.ppo_loss` may read: per-token
+    ``advantages`` in ``[-1, 1)``; ``old_logps``, ``ref_logps`` and ``rollout_logps`` in
+    ``[-5.5, -3.5)``, around a tiny random model's ``log(1/96)`` so that the clip binds on some
+    tokens only; a per-sample ``loss_weights`` of `aggregation_weights`' sequence mean. All
+    exact in float32 (collation's dtype), so float64 references see the same numbers."""
+    from twinkle_fn.losses import aggregation_weights
+
+    rng = random.Random(seed)
+    lengths = [sum(x != -100 for x in f["labels"]) for f in features]
+    weights = aggregation_weights(lengths, "seq_mean_token_mean")
+
+    def logps(n: int) -> list[float]:
+        return [rng.randrange(-1408, -896) / 256 for _ in range(n)]
+
+    return [
+        {
+            **f,
+            "advantages": [rng.randrange(-1024, 1024) / 1024 for _ in f["input_ids"]],
+            "old_logps": logps(len(f["input_ids"])),
+            "ref_logps": logps(len(f["input_ids"])),
+            "rollout_logps": logps(len(f["input_ids"])),
+            "loss_weights": float(torch.tensor(w, dtype=torch.float32)),
+        }
+        for f, w in zip(features, weights, strict=True)
+    ]
