@@ -59,7 +59,9 @@ def _consumer(port, results):
 
     # The trainer's config names its own attention kernel: an engine builds from a fresh one.
     hf, _ = consume(received(), tiny_config("qwen2"), BOUND)
-    results.put(hf_logps(hf, batch()))
+    # A numpy array pickles by value; a tensor would travel as a shared-memory handle whose
+    # sender may exit before the parent opens it.
+    results.put(hf_logps(hf, batch()).numpy())
 
 
 def _send(stream, store, group):
@@ -100,7 +102,7 @@ def _mesh_run(sizes, lora, port):
         group,
     )
     if consumer is not None:
-        out["remote_diff"] = (results.get(timeout=120) - want).abs().max().item()
+        out["remote_diff"] = (torch.from_numpy(results.get(timeout=120)) - want).abs().max().item()
         consumer.join(timeout=60)
     return out
 
