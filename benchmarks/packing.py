@@ -126,7 +126,7 @@ def _run_row(
         return {"status": "skipped", "reason": "GPU only (compiling on a CPU takes minutes)"}
     if "megatron" in name and "megatron" not in backends.names():
         return {"status": "skipped", "reason": "no megatron backend in twinkle_fn.backends"}
-    tp._release(setup.device)
+    tp.release(setup.device)
     try:
         with _ROW_BUILDERS[name](setup, batch) as step:
             timing = tp.time_steps(step, warmup, steps, setup.device)
@@ -134,7 +134,7 @@ def _run_row(
     except Exception as e:  # a failing row is a result (out of memory), not a crash
         return {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
     finally:
-        tp._release(setup.device)
+        tp.release(setup.device)
     tokens = setup.input_ids.numel()
     return {
         "status": "ok",
@@ -177,7 +177,7 @@ def _twinkle(backend: str, compiled: bool) -> Builder:
     @contextlib.contextmanager
     def build(setup: tp.Setup, batch: dict[str, Any]) -> Iterator[tp.Step]:
         options = {"compile_layers": True} if compiled else None
-        world = tp._megatron_world(setup.device) if backend == "megatron" else _nothing()
+        world = tp.megatron_world(setup.device) if backend == "megatron" else _nothing()
         with world:
             yield tp._twinkle_step(setup, backend, options, batch=_host(batch, setup.device))
 

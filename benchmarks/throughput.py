@@ -240,12 +240,12 @@ def _run_row(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]
     """One row's measurement, or why it was skipped or failed; its memory is released after."""
     if reason := _skip_reason(name, setup.device):
         return {"status": "skipped", "reason": reason}
-    _release(setup.device)
+    release(setup.device)
     try:
         row = _measure(name, setup, warmup, steps)
     except Exception as e:  # a failing row is a result (OOM, missing megatron-core), not a crash
         row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
-    _release(setup.device)
+    release(setup.device)
     return row
 
 
@@ -312,7 +312,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _release(device: torch.device) -> None:
+def release(device: torch.device) -> None:
     """Free what the last row left (compiled graphs, cached blocks) and reset the peak."""
     torch._dynamo.reset()
     gc.collect()
@@ -387,13 +387,13 @@ def _hf_step(setup: Setup, compile_scope: str | None) -> Step:
 
 @contextlib.contextmanager
 def _mcore_local(setup: Setup) -> Iterator[Step]:
-    with _megatron_world(setup.device):
+    with megatron_world(setup.device):
         yield _mcore_step(setup, our_spec=False)
 
 
 @contextlib.contextmanager
 def _mcore_sdpa(setup: Setup) -> Iterator[Step]:
-    with _megatron_world(setup.device):
+    with megatron_world(setup.device):
         yield _mcore_step(setup, our_spec=True)
 
 
@@ -512,13 +512,13 @@ def _twinkle_fsdp_compiled_budget(setup: Setup) -> Iterator[Step]:
 
 @contextlib.contextmanager
 def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
-    with _megatron_world(setup.device):
+    with megatron_world(setup.device):
         yield _twinkle_step(setup, backend="megatron")
 
 
 @contextlib.contextmanager
 def _twinkle_megatron_compiled(setup: Setup) -> Iterator[Step]:
-    with _megatron_world(setup.device):
+    with megatron_world(setup.device):
         yield _twinkle_step(setup, backend="megatron", options={"compile_layers": True})
 
 
@@ -597,7 +597,7 @@ def host_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
 
 
 @contextlib.contextmanager
-def _megatron_world(device: torch.device) -> Iterator[None]:
+def megatron_world(device: torch.device) -> Iterator[None]:
     """A one-rank process group (NCCL on GPU, gloo on CPU) with megatron-core's state on it.
 
     On a CPU `twinkle_fn.backends.megatron.parallel.initialize` enables `cpu_compat`; both are undone on
