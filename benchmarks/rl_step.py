@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = _runs(holder, batch, config, device, args)
         for name in args.rows:
             tp.release(device)
-            result["rows"][name] = _measure(name, runs[name], args, device)
+            try:
+                result["rows"][name] = _measure(name, runs[name], args, device)
+            except torch.OutOfMemoryError as e:  # a result (the row does not fit), not a crash
+                result["rows"][name] = {"error": f"OutOfMemoryError: {e}"[:300]}
             _write(result, args.json)
     _add_ratios(result)
     _write(result, args.json)
@@ -203,6 +206,9 @@ def _print(result: dict[str, Any]) -> None:
     print(f"{result['mfu_formula']}; {result['flops_per_token'] / 1e9:.3f} GFLOP/token")
     print("row | tokens/s | GB/s | MFU | x sft_step | ms | peak GiB")
     for name, row in result["rows"].items():
+        if "error" in row:
+            print(f"{name} | {row['error']}")
+            continue
         cells = (
             name,
             tp._fmt(row.get("tokens_per_s"), ".0f"),

@@ -16,6 +16,11 @@ log-softmax does not depend on it), so it is reduced without a gradient.
 
 Columns past the real vocabulary (megatron pads it to a multiple of ``128 * tp``) are dropped
 before the softmax: they take no probability mass and get a zero gradient.
+
+Where the fused cross entropy applies (tensor-parallel size 1, see
+`twinkle_fn.backends.megatron.fused_loss.fused_loss_applies`), the terms come from
+`twinkle_fn.losses.fused_linear_token_logps` instead: a chunk of tokens projected at a time, so
+the ``[s, b, vocab]`` logits never exist.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from torch import Tensor
 
+from twinkle_fn.backends.megatron.fused_loss import fused_loss_applies
 from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.losses.fused_linear_logps import fused_linear_token_logps
 
 
 class TokenTerms(NamedTuple):
@@ -52,14 +59,29 @@ def token_terms(
     labels: Tensor,
     context: int,
     entropy: bool = False,
+    config: Any = None,
+    supervised_rows: Tensor | None = None,
     **unused: Any,
 ) -> TokenTerms:
     """``GPTModel`` output processor: the per-token log-probabilities (and entropy) of a loss.
 
     `hidden_states` is the last stage's ``[s, b, hidden]`` (sequence-parallel shards are gathered
     by the output layer), `labels` ``[b, s]`` (-100 ignored), `context` the unpadded vocabulary
-    size, `entropy` whether to compute the entropy too. Returns `TokenTerms`.
+    size, `entropy` whether to compute the entropy too, `config` the model's
+    ``TransformerConfig`` (megatron passes it), `supervised_rows` those of ``labels.t()``
+    computed before the forward (for the fused path; None counts them here). Returns
+    `TokenTerms`.
     """
+    if config is not None and fused_loss_applies(config, output_layer, hidden_states):
+        weight = output_layer.weight if output_weight is None else output_weight
+        terms = fused_linear_token_logps(
+            hidden_states,  # [s, b, hidden]
+            weight[:context].to(hidden_states.dtype),  # padding rows take no mass
+            labels.t(),
+            with_entropy=entropy,
+            supervised_rows=supervised_rows,
+        )
+        return TokenTerms(terms.logps.t(), None if terms.entropy is None else terms.entropy.t())
     logits, _ = output_layer(hidden_states, weight=output_weight)  # [s, b, local_vocab]
     logps, ent = vocab_parallel_terms(logits, labels.t(), context, entropy=entropy)
     return TokenTerms(logps.t(), None if ent is None else ent.t())

@@ -18,6 +18,7 @@ import twinkle_fn as tf
 from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.megatron.bridge import mcore_to_hf
 from twinkle_fn.backends.megatron.placement import model_placement
+from twinkle_fn.backends.megatron import token_terms as token_terms_module
 from twinkle_fn.backends.megatron.token_terms import TokenTerms, token_terms, vocab_parallel_terms
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
@@ -143,8 +144,16 @@ def _hf_grads(state, grads):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_a_models_policy_gradient_equals_the_hf_models_in_float64(megatron_world, layout):
-    """Two micro-batches each; per-token advantages, the entropy bonus on."""
+def test_a_models_policy_gradient_equals_the_hf_models_in_float64(
+    megatron_world, layout, monkeypatch
+):
+    """Two micro-batches each; per-token advantages, the entropy bonus on. At tensor-parallel
+    size 1 the terms come from the fused, chunked projection: the logits path is never taken."""
+
+    def no_logits(*args, **kwargs):
+        raise AssertionError("tp 1 built the full logits")
+
+    monkeypatch.setattr(token_terms_module, "vocab_parallel_terms", no_logits)
     feats = with_advantages(random_features(6, seed=3), seed=3)
     batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
     state = _state(num_micro_batches=2)

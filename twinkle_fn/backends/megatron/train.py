@@ -428,7 +428,11 @@ def forward_backward(
             processor = functools.partial(_output_losses, supervised_rows=mb.supervised_rows)
             loss_func = functools.partial(_loss_sum, mb.labels)
         else:
-            processor = functools.partial(token_terms, entropy="entropy" in loss.needs)
+            processor = functools.partial(
+                token_terms,
+                entropy="entropy" in loss.needs,
+                supervised_rows=mb.supervised_rows,
+            )
             loss_func = functools.partial(_token_loss_sum, mb, loss)
         out = model(
             mb.input_ids,

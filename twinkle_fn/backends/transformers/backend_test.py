@@ -5,7 +5,7 @@ import twinkle_fn as tf
 from twinkle_fn import backends
 from twinkle_fn.backends.transformers.backend import TransformersBackend
 from twinkle_fn.data import pack, pad_collate
-from twinkle_fn.testing import no_host_sync, random_features, tiny_config
+from twinkle_fn.testing import no_host_sync, random_features, tiny_config, with_rl_fields
 
 
 def test_registry_names_and_errors():
@@ -96,17 +96,25 @@ def test_compile_layers_rejects_other_values():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("loss", ["cross entropy", "ppo"])
 @pytest.mark.parametrize("layout", ["packed", "full rows"])
-def test_a_training_step_on_cuda_never_syncs_the_host(layout):
+def test_a_training_step_on_cuda_never_syncs_the_host(layout, loss):
     """fwd_bwd and step of a CPU batch queue all their work: nothing waits on the device, so the
     host runs ahead (the loss's supervised rows are counted on the CPU, before the forward).
-    Full rows take the decoder's own causal mask (a qwen2 decoder is handed it ready-made)."""
+    Full rows take the decoder's own causal mask (a qwen2 decoder is handed it ready-made). A
+    token loss (PPO with every term, the entropy too) reads its terms from the chunked head
+    without a sync either."""
     model = tf.models.from_hf_config(tiny_config(), seed=0, device="cuda", precision="bf16")
     state = tf.init(model, tf.optim.adamw(1e-3))
     feats = random_features(4, min_len=12, max_len=12, seed=1)
+    token_loss = None
+    if loss == "ppo":
+        feats = with_rl_fields(feats)
+        token_loss = tf.losses.ppo_loss(0.2, 0.28, beta=0.04, entropy_coef=0.01, tis_cap=2.0)
     batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
-    state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])  # warm-up: lazy inits may sync
+    warm = tf.fwd_bwd(state, batch, loss=token_loss)[0]
+    state, _ = tf.step(state, warm)  # warm-up: lazy inits may sync
     with no_host_sync():
-        grads, _ = tf.fwd_bwd(state, batch)
+        grads, _ = tf.fwd_bwd(state, batch, loss=token_loss)
         state, info = tf.step(state, grads)
     assert torch.isfinite(info["loss"]) and torch.isfinite(info["grad_norm"])

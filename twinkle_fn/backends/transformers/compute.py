@@ -3,8 +3,8 @@
 The module computes with the state's own parameter tensors: `bind` points the module at them (a
 pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The default
 loss is the fused linear + cross-entropy of the model's `FusedLMHead`, so full ``[tokens, vocab]``
-logits are never built. Any other loss (a `twinkle_fn.losses.TokenLoss`) runs on the logits of a
-plain forward: per-token log-probabilities (and entropy) in float32, then the loss.
+logits are never built. Any other loss (a `twinkle_fn.losses.TokenLoss`) runs on per-token
+log-probabilities (and entropy) in float32, which the head computes chunk by chunk as well.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from twinkle_fn.backends.transformers import attention
-from twinkle_fn.backends.transformers.lm_head import loss_mode
+from twinkle_fn.backends.transformers.lm_head import loss_mode, terms_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
 from twinkle_fn.losses import LossOutput, TokenLoss, supervised_rows
-from twinkle_fn.losses.token_loss import apply_loss, inputs_from_logits
+from twinkle_fn.losses.token_loss import TokenInputs, apply_loss
 from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import LCG_INC, Grads, TrainState
@@ -169,8 +169,8 @@ def loss_of(
     in loss mode, so the head returns the CE sum instead of logits. The supervised tokens are
     found before the forward is queued: free for CPU labels, and for device labels the one sync
     lands where the device has no work queued behind it rather than mid-step. Another `loss`
-    gets the logits ``[B, T, vocab]`` of a plain forward turned into float32 per-token terms
-    (`twinkle_fn.losses.token_loss.inputs_from_logits`) and the batch fields it reads.
+    gets float32 per-token terms from the head in terms mode (no full logits either) and the
+    batch fields it reads.
     """
     model = state.model
     module = model.module
@@ -187,15 +187,20 @@ def loss_of(
 
 
 def _token_loss_of(model: Model, batch: Mapping[str, torch.Tensor], loss: TokenLoss) -> LossOutput:
-    """`loss` of the logits of a plain forward of the (already bound) module."""
+    """`loss` of the per-token log-probabilities (and entropy) of the (already bound) module,
+    which its `FusedLMHead` computes chunk by chunk in `terms_mode`: no ``[B, T, vocab]``
+    logits."""
     device = model.device
+    rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
     labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
     fields = {name: batch[name].to(device, non_blocking=True) for name in loss.fields}
-    with autocast(model):
+    with_entropy = "entropy" in loss.needs
+    head = model.module.get_output_embeddings()
+    with autocast(model), terms_mode(head, labels, rows, with_entropy=with_entropy):
         inputs = model_inputs(batch, device, model.module.config)
-        logits = model.module(**inputs, use_cache=False).logits  # [B, T, vocab]
-    # outside autocast: the softmax and the loss run in float32
-    return apply_loss(loss, inputs_from_logits(logits, labels, fields, loss.needs))
+        terms = model.module(**inputs, use_cache=False).logits  # [B, T, 2]
+    entropy = terms[..., 1] if with_entropy else None
+    return apply_loss(loss, TokenInputs(terms[..., 0], labels, fields, entropy))
 
 
 def fwd_bwd(

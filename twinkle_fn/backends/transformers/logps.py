@@ -1,5 +1,7 @@
-"""Per-token log-probabilities on the transformers backend: a plain forward whose lm_head
-returns logits (no loss mode), for rollouts' old and reference log-probs and evaluation."""
+"""Per-token log-probabilities on the transformers backend, for rollouts' old and reference
+log-probs and evaluation: the lm_head in terms mode (chunked, no ``[B, T, V]`` logits), or a
+plain forward's logits when they are asked for or a temperature other than 1 needs the cross
+entropy at temperature 1 as well."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ from collections.abc import Mapping
 import torch
 
 from twinkle_fn.backends.transformers.compute import autocast, bind, model_inputs
+from twinkle_fn.backends.transformers.lm_head import terms_mode
 from twinkle_fn.backends.transformers.lora import adapters_off
 from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.losses import supervised_rows
 from twinkle_fn.losses import token_logps as logps_of_logits
 from twinkle_fn.state import TrainState
 
@@ -34,17 +38,21 @@ def token_logps(
     device = model.device
     labels = batch["labels"].to(device)  # [B, T], already shifted
     off = adapters_off(model.module) if disable_lora else contextlib.nullcontext()
+    num_tokens = (labels != IGNORE_INDEX).sum()
+    if temperature == 1.0 and not return_logits:
+        rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
+        head = model.module.get_output_embeddings()
+        with torch.no_grad(), autocast(model), off, terms_mode(head, labels, rows):
+            inputs = model_inputs(batch, device, model.config)
+            logps = model.module(**inputs, use_cache=False).logits[..., 0]  # [B, T]
+        return {"num_tokens": num_tokens, "logps": logps, "loss_sum": -logps.sum()}
     with torch.no_grad(), autocast(model), off:
         inputs = model_inputs(batch, device, model.config)
         logits = model.module(**inputs, use_cache=False).logits  # [B, T, V]
-    out = {"num_tokens": (labels != IGNORE_INDEX).sum()}
-    if temperature == 1.0:
-        out["logps"] = logps_of_logits(logits, labels)
-        out["loss_sum"] = -out["logps"].sum()
-    else:
-        out["loss_sum"] = -logps_of_logits(logits, labels).sum()
+    out = {"num_tokens": num_tokens, "loss_sum": -logps_of_logits(logits, labels).sum()}
+    if temperature != 1.0:
         logits = logits / temperature
-        out["logps"] = logps_of_logits(logits, labels)
+    out["logps"] = logps_of_logits(logits, labels)
     if return_logits:
         out["logits"] = logits
     return out
