@@ -56,22 +56,26 @@ MESHES = {
     "cp2-packed": ("qwen3_moe", {"cp": 2}, {}, "packed"),  # q/k norms, MoE, THD chunks
 }
 # Losses other than the default on qwen2: the policy gradient (per-token advantages, entropy
-# bonus), and PPO with every option on (asymmetric clip, k3 KL, entropy bonus, TIS cap,
-# sequence-mean weights: five per-token fields split with their tokens).
+# bonus), PPO with every option on (asymmetric clip, k3 KL, entropy bonus, TIS cap,
+# sequence-mean weights: five per-token fields split with their tokens), and DPO (the 8
+# sequences of a step are 4 interleaved pairs; a pass without gradients linearises it).
 PG = tf.losses.policy_gradient(entropy_coef=0.1)
 PPO = tf.losses.ppo_loss(
     0.2, 0.28, beta=0.1, entropy_coef=0.01, tis_cap=1.5, aggregation="seq_mean_token_mean"
 )
-LOSSES = {"pg": PG, "ppo": PPO}
+DPO = tf.losses.dpo_loss(0.5, label_smoothing=0.1)
+LOSSES = {"pg": PG, "ppo": PPO, "dpo": DPO}
 # name -> (mesh sizes, backend options, batch layout)
 LOSS_MESHES = {
     # vocabulary padded to 128 (a multiple of 2 x 32): rank 0 holds ids 0-63, rank 1 ids 64-95
     "tp2": ({"tp": 2}, {"vocab_multiple": 32}, "packed"),
     "cp2": ({"cp": 2}, {}, "packed"),  # each packed sample's zigzag chunks, fields with them
     "pp2": ({"pp": 2}, {"num_micro_batches": 2}, "padded"),  # fields reach the last stage
+    "dp2": ({"dp": 2}, {}, "packed"),  # DPO: two pairs per rank, the mean over all four
 }
 # (loss, mesh) pairs run on two ranks
-LOSS_RUNS = [("pg", mesh) for mesh in LOSS_MESHES] + [("ppo", "tp2"), ("ppo", "pp2")]
+LOSS_RUNS = [("pg", m) for m in ("tp2", "cp2", "pp2")] + [("ppo", "tp2"), ("ppo", "pp2")]
+LOSS_RUNS += [("dpo", "dp2"), ("dpo", "pp2")]
 
 
 BACKENDS = ("transformers", "megatron")

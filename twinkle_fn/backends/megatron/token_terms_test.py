@@ -25,6 +25,7 @@ from twinkle_fn.mesh import Mesh
 from twinkle_fn.testing import (
     policy_gradient_reference,
     ppo_reference,
+    preference_reference,
     random_features,
     tiny_config,
     with_advantages,
@@ -180,6 +181,32 @@ def test_the_ppo_loss_equals_its_float64_reference_in_value_and_gradient(megatro
     module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
     want_sum, want = ppo_reference(module, feats, PPO)
     assert int(aux["num_tokens"]) == sum(x != -100 for f in feats for x in f["labels"])
+    assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize(
+    "loss",
+    [tf.losses.dpo_loss(0.5, label_smoothing=0.1), tf.losses.simpo_loss(2.5, 0.5)],
+    ids=["dpo", "simpo"],
+)
+def test_a_preference_loss_equals_its_float64_reference_in_value_and_gradient(
+    megatron_world, loss, layout
+):
+    """Three pairs over four micro-batches (2, 2, 1, 1 sequences: the last pair cut in two):
+    the linearised token loss needs no pair on one micro-batch. Tolerances of the policy
+    gradient's (float32 here); the count is the pairs."""
+    feats = with_rl_fields(random_features(6, seed=11), seed=11)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+    state = _state(num_micro_batches=4)
+    grads, aux = tf.fwd_bwd(state, batch, loss=loss)
+    got = _hf_grads(state, grads)
+    module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
+    want_sum, want = preference_reference(module, feats, loss)
+    assert int(aux["num_tokens"]) == 3
     assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
     assert got.keys() == want.keys()
     for name, grad in got.items():
