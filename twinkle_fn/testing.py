@@ -275,3 +275,23 @@ def with_rl_fields(features: list[dict[str, Any]], seed: int = 0) -> list[dict[s
         }
         for f, w in zip(features, weights, strict=True)
     ]
+
+
+def with_loss_scale(features: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """`features` (not modified) with a per-token ``loss_scale`` in ``{0, 0.25, ..., 2}`` (zeros
+    included; exact in float32, collation's dtype)."""
+    rng = random.Random(seed)
+    return [{**f, "loss_scale": [rng.randrange(9) / 4 for _ in f["input_ids"]]} for f in features]
+
+
+def weighted_ce_reference(
+    module: torch.nn.Module, features: list[dict[str, Any]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`twinkle_fn.losses.weighted_cross_entropy`'s loss sum over `features` (with
+    ``loss_scale``), ``-sum loss_scale * log p(label)`` over supervised tokens, and its
+    gradients by parameter name, over a plain forward of `module` on the right-padded batch,
+    in the module's dtype (float64 for a reference)."""
+    logp_all, labels, fields = _reference_forward(module, features, ("loss_scale",))
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
+    terms = -(fields["loss_scale"].to(logp.dtype) * logp)
+    return _with_grads(module, torch.where(labels != -100, terms, 0.0).sum())

@@ -26,6 +26,7 @@ from twinkle_fn.losses.token_loss import (
     token_entropy,
     token_loss,
 )
+from twinkle_fn.losses.weighted_ce import WeightedCrossEntropy, weighted_cross_entropy
 
 __all__ = [
     "ClippedSurrogate",
@@ -37,6 +38,7 @@ __all__ = [
     "TokenInputs",
     "TokenLoss",
     "TokenLossOutput",
+    "WeightedCrossEntropy",
     "aggregation_weights",
     "check_loss",
     "cross_entropy_sum",
@@ -52,4 +54,5 @@ __all__ = [
     "token_entropy",
     "token_logps",
     "token_loss",
+    "weighted_cross_entropy",
 ]

@@ -28,7 +28,9 @@ from twinkle_fn.testing import (
     preference_reference,
     random_features,
     tiny_config,
+    weighted_ce_reference,
     with_advantages,
+    with_loss_scale,
     with_rl_fields,
 )
 from twinkle_fn.testing_dist import spawn
@@ -207,6 +209,24 @@ def test_a_preference_loss_equals_its_float64_reference_in_value_and_gradient(
     module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
     want_sum, want = preference_reference(module, feats, loss)
     assert int(aux["num_tokens"]) == 3
+    assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_weighted_cross_entropy_equals_its_float64_reference(megatron_world, layout):
+    """Per-token loss scales (zeros included) over two micro-batches; tolerances of the policy
+    gradient's (float32 here)."""
+    feats = with_loss_scale(random_features(6, seed=13), seed=13)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+    state = _state(num_micro_batches=2)
+    grads, aux = tf.fwd_bwd(state, batch, loss=tf.losses.weighted_cross_entropy())
+    got = _hf_grads(state, grads)
+    module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
+    want_sum, want = weighted_ce_reference(module, feats)
+    assert int(aux["num_tokens"]) == sum(x != -100 for f in feats for x in f["labels"])
     assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
     assert got.keys() == want.keys()
     for name, grad in got.items():
