@@ -8,7 +8,8 @@ Tolerances (float32: megatron's distributed optimizer has no float64 path). Loss
 relative 1e-5: the ranks sum the same token losses in another order (observed <= 3e-7).
 Parameters after 3 AdamW steps agree to 2e-4 absolute, 2% of one step at lr 1e-2: Adam divides
 each gradient by its own running scale, so an element whose gradient is almost zero moves by up
-to lr on the sign of float32 rounding noise (observed <= 6e-5). Per-token log-probabilities
+to lr on the sign of float32 rounding noise (observed <= 6e-5; <= 1e-4 for PPO on tp2, cp2 and
+pp2, whose clipped terms cancel in many gradients). Per-token log-probabilities
 (`fwd_bwd`'s aux, `evaluate_logps`) of the initial weights agree with the HF model's
 log-softmax at the labels to 1e-5 absolute (float32 rounding of the same sums).
 """
@@ -31,7 +32,13 @@ from twinkle_fn.backends.transformers.compute import model_inputs
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
 from twinkle_fn.losses import token_logps
-from twinkle_fn.testing import no_host_sync, random_features, tiny_config, with_rl_fields
+from twinkle_fn.testing import (
+    no_host_sync,
+    random_features,
+    tiny_config,
+    with_advantages,
+    with_rl_fields,
+)
 from twinkle_fn.testing_dist import spawn
 
 STEPS = 3
@@ -74,8 +81,9 @@ LOSS_MESHES = {
     "dp2": ({"dp": 2}, {}, "packed"),  # DPO: two pairs per rank, the mean over all four
 }
 # (loss, mesh) pairs run on two ranks
-LOSS_RUNS = [("pg", m) for m in ("tp2", "cp2", "pp2")] + [("ppo", "tp2"), ("ppo", "pp2")]
-LOSS_RUNS += [("dpo", "dp2"), ("dpo", "pp2")]
+LOSS_RUNS = [(loss, m) for loss in ("pg", "ppo") for m in ("tp2", "cp2", "pp2")]
+# DPO's first pass too: its log-probs merged back from the cp chunks / broadcast from the last stage
+LOSS_RUNS += [("dpo", m) for m in ("dp2", "cp2", "pp2")]
 
 
 BACKENDS = ("transformers", "megatron")
@@ -115,8 +123,9 @@ def _train(
     **kw,
 ):
     """STEPS steps on this rank's slice of each global batch (a `loss` other than the default
-    gets every field of `with_rl_fields`, loss weights from the whole batch), then an
-    evaluation of the whole first batch: ``({infos, params, eval}, state)``."""
+    gets per-token advantages, or every field of `with_rl_fields` when it reads more, loss
+    weights from the whole batch), then an evaluation of the whole first batch:
+    ``({infos, params, eval}, state)``."""
     mesh = tf.Mesh(**(sizes or {}))
     state = tf.init(_model(name, backend, options=options, **kw), tx or _tx(backend), mesh)
     # The initial weights' log-probs of the whole first batch, and of this rank's slice.
@@ -127,7 +136,8 @@ def _train(
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
         if loss is not None:
-            feats = with_rl_fields(feats, seed=i)
+            fields = with_advantages if set(loss.fields) <= {"advantages"} else with_rl_fields
+            feats = fields(feats, seed=i)
         mine = _batch(feats[mesh.get_slice(len(feats), rank())], layout)
         grads, aux = tf.fwd_bwd(state, mine, loss=loss)
         logps.setdefault("fwd_bwd", aux.get("logps"))
