@@ -116,16 +116,16 @@ class PreferenceLoss:
         what = "packed samples" if "cu_seqlens" in batch else "rows"
         if count % 2:
             raise ValueError(
-                f"{self.kind}_loss: the batch has {count} {what}, an odd number; a preference batch "
-                "holds pairs interleaved [chosen_0, rejected_0, chosen_1, ...], and on several "
-                "data ranks each rank gets whole pairs (an even number of sequences)"
+                f"{self.kind}_loss: the batch has {count} {what}, an odd number; a preference "
+                "batch holds pairs interleaved [chosen_0, rejected_0, chosen_1, ...], and on "
+                "several data ranks each rank gets whole pairs (an even number of sequences)"
             )
         supervised = _lengths(seq.to(labels.device), labels != IGNORE_INDEX, count)
         if bool((supervised == 0).any()):
             empty = int((supervised == 0).nonzero()[0])
             raise ValueError(
-                f"{self.kind}_loss: sequence {empty} of the batch ({what}) has no supervised token "
-                "(every label is -100); each chosen and rejected response needs one"
+                f"{self.kind}_loss: sequence {empty} of the batch ({what}) has no supervised "
+                "token (every label is -100); each chosen and rejected response needs one"
             )
         for name in self.fields:
             if name not in batch:
@@ -160,9 +160,7 @@ class PreferenceLoss:
             losses = self.pair_losses(sums, lengths, ref)  # [P]
             (weights,) = torch.autograd.grad(losses.sum(), sums)  # [2P]: dl/dS_i
         # one token per pair carries its loss and counts it: the chosen's first supervised one
-        flat = torch.arange(mask.numel(), device=device).view_as(mask)
-        first = torch.full((count,), mask.numel(), device=device, dtype=torch.int64)
-        first = first.scatter_reduce(0, seq[mask], flat[mask], "amin")[0::2]  # [P]
+        first = _first_tokens(seq, mask, count)[0::2]  # [P]
         one_per_pair = torch.zeros(mask.numel(), dtype=logps.dtype, device=device)
         pair_losses = one_per_pair.clone()
         one_per_pair[first] = 1.0
@@ -183,11 +181,7 @@ class PreferenceLoss:
         if self.reference == "tokens":
             return _sums(seq, mask, batch["ref_logps"].to(device).double(), count)
         per_sample = batch["ref_seq_logps"].to(device).double()  # [B, T], constant per sample
-        starts = torch.full((count,), mask.numel(), device=device, dtype=torch.int64)
-        flat = torch.arange(mask.numel(), device=device).view_as(mask)
-        # the first token of each sequence (the padded rows' padding belongs to no one's start)
-        starts = starts.scatter_reduce(0, seq.reshape(-1), flat.reshape(-1), "amin")
-        return per_sample.reshape(-1)[starts]
+        return per_sample.reshape(-1)[_first_tokens(seq, torch.ones_like(mask), count)]
 
 
 def sequence_index(batch: Mapping[str, Any]) -> tuple[Tensor, int]:
@@ -213,6 +207,14 @@ def _sums(seq: Tensor, mask: Tensor, values: Tensor, count: int) -> Tensor:
     """Per-sequence sums ``[count]`` of `values` ``[B, T]`` over the tokens in `mask`."""
     out = torch.zeros(count, dtype=values.dtype, device=values.device)
     return out.index_add(0, seq[mask], values[mask])
+
+
+def _first_tokens(seq: Tensor, mask: Tensor, count: int) -> Tensor:
+    """The flat index (into ``[B * T]``) of each sequence's first token in `mask`, ``[count]``
+    int64 (every sequence has one: `PreferenceLoss.check`)."""
+    flat = torch.arange(mask.numel(), device=mask.device).view_as(mask)  # [B, T]
+    first = torch.full((count,), mask.numel(), device=mask.device, dtype=torch.int64)
+    return first.scatter_reduce(0, seq[mask], flat[mask], "amin")
 
 
 def _lengths(seq: Tensor, mask: Tensor, count: int) -> Tensor:
