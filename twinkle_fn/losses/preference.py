@@ -33,7 +33,9 @@ pass depends on that token alone, so micro-batches, packing, the context-paralle
 pipeline split it as any token loss, pairs cut in two or not, on every mesh of both backends,
 with no new machinery in either. Cost: one more forward per step. (The alternative, a
 sequence-level stage after the per-token one, needs pairs on one micro-batch and a reduction on
-the pipeline's last stage of each backend.)
+the pipeline's last stage of each backend.) With dropout on, the two passes draw different
+masks and the weights are those of the first pass's sums; fine-tuning runs with dropout off,
+the default of every family here.
 """
 
 from __future__ import annotations
