@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from twinkle_fn import backends, lora
 from twinkle_fn.distributed import gather_tensors, rank, world_size
-from twinkle_fn.losses import LossOutput, TokenLoss, check_loss
+from twinkle_fn.losses import LossOutput, SequenceLoss, TokenLoss, check_loss, is_sequence_loss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
 from twinkle_fn.optim import GradientTransformation, current_lr
@@ -147,7 +147,7 @@ def fwd_bwd(
     batch: Mapping[str, torch.Tensor],
     accum: Grads | None = None,
     *,
-    loss: TokenLoss | None = None,
+    loss: TokenLoss | SequenceLoss | None = None,
     donate: bool = True,
 ) -> tuple[Grads, dict[str, torch.Tensor]]:
     """Gradients of the token-summed loss of `batch`; the state is never modified.
@@ -158,18 +158,23 @@ def fwd_bwd(
     cross entropy (None: each backend's fused kernel) or a `twinkle_fn.losses.TokenLoss`, a
     function of per-token log-probabilities and batch fields returning a token sum and count.
     With `accum`, this batch's gradients are added to it: `accum` is donated (reusing it raises)
-    unless ``donate=False``. Returns ``(grads, aux)``, aux holding this micro-batch's
-    ``loss_sum`` and ``num_tokens``. A module holding several LoRA adapters computes with the
-    state's own (`twinkle_fn.lora.use_adapter`). Raises `DonatedError` for
-    a donated state or accum; ``TypeError`` / ``ValueError`` (before any compute) for a `loss`
-    that is not a `TokenLoss`, needs what no backend gives (``values``) or reads a field
-    `batch` lacks (see `twinkle_fn.losses.check_loss`).
+    unless ``donate=False``. A sequence loss (``tf.losses.dpo_loss``...) costs one more forward
+    without gradients, whose log-probabilities linearise it exactly into a `TokenLoss`
+    (`twinkle_fn.losses.preference`). Returns ``(grads, aux)``, aux holding this micro-batch's
+    ``loss_sum`` and ``num_tokens`` (the loss's count: pairs for a preference loss). A module
+    holding several LoRA adapters computes with the state's own (`twinkle_fn.lora.use_adapter`).
+    Raises `DonatedError` for a donated state or accum; ``TypeError`` / ``ValueError`` (before
+    any compute) for a `loss` that is neither, needs what no backend gives (``values``), reads
+    a field `batch` lacks, or refuses the batch (see `twinkle_fn.losses.check_loss`).
     """
     state.check_alive()
     if loss is not None:
         check_loss(loss, batch)
     if accum is not None:
         accum.check_alive()
+    if is_sequence_loss(loss):
+        loss, batch = loss.linearise(batch, token_logps(state, batch)["logps"])
+    if accum is not None:
         accum = _take(accum, "fwd_bwd", donate)
     lora.use_adapter(state)
     return backends.get(state.model.backend).fwd_bwd(state, batch, accum, loss)

@@ -267,11 +267,14 @@ def test_a_loss_that_cannot_run_is_refused_before_compute(monkeypatch):
         raise AssertionError("the backend computed")
 
     monkeypatch.setattr(type(backends.get(state.model.backend)), "fwd_bwd", no_compute)
+    # a sequence loss's first pass
+    monkeypatch.setattr(type(backends.get(state.model.backend)), "token_logps", no_compute)
     critic = tf.losses.token_loss(lambda inputs: None, needs=["values"])
     for loss, error, match in (
         (tf.losses.policy_gradient(), ValueError, "reads batch field 'advantages'"),
         (critic, ValueError, "no model has a value head"),
         (lambda inputs: None, TypeError, "must be a TokenLoss"),
+        (tf.losses.simpo_loss(), ValueError, "3 packed samples, an odd number"),
     ):
         with pytest.raises(error, match=match):
             tf.fwd_bwd(state, pack(feats), accum, loss=loss)

@@ -173,30 +173,80 @@ def ppo_reference(
     """`ppo_reference_terms`' loss sum over `features` (carrying `loss.fields`, per token or per
     sample) and its gradients by parameter name, over a plain forward of `module` on the
     right-padded batch, in the module's dtype (float64 for a reference)."""
+    logp_all, labels, fields = _reference_forward(module, features, loss.fields)
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T]
+    supervised = labels != -100
+    terms = ppo_reference_terms(logp, entropy, fields, loss)
+    return _with_grads(module, torch.where(supervised, terms, 0.0).sum())
+
+
+def _reference_forward(
+    module: torch.nn.Module, features: list[dict[str, Any]], names: Any
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A plain forward of `module` on `features` right-padded: the log-softmax ``[B, T, V]``
+    (module's dtype), labels ``[B, T]`` (-100 on padding) and the fields `names` ``[B, T]``
+    float64 (a per-sample number repeated over the sample's tokens, 0 on padding)."""
     width = max(len(f["input_ids"]) for f in features)
     ids, labels, mask, positions = (
         torch.zeros(len(features), width, dtype=torch.int64) for _ in range(4)
     )
     labels.fill_(-100)
-    fields = {name: torch.zeros(len(features), width, dtype=torch.float64) for name in loss.fields}
+    fields = {name: torch.zeros(len(features), width, dtype=torch.float64) for name in names}
     for row, f in enumerate(features):
         n = len(f["input_ids"])
         ids[row, :n], labels[row, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"])
         mask[row, :n], positions[row, :n] = 1, torch.arange(n)
-        for name in loss.fields:
+        for name in names:
             fields[name][row, :n] = torch.as_tensor(f[name], dtype=torch.float64)
     logits = module(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
     ).logits  # [B, T, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T]
-    supervised = labels != -100
-    terms = ppo_reference_terms(logp, entropy, fields, loss)
-    loss_sum = torch.where(supervised, terms, 0.0).sum()
+    return torch.log_softmax(logits, dim=-1), labels, fields
+
+
+def _with_grads(
+    module: torch.nn.Module, loss: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`loss` detached and its gradients by parameter name of `module`."""
     params = dict(module.named_parameters())
-    grads = torch.autograd.grad(loss_sum, list(params.values()))
-    return loss_sum.detach(), dict(zip(params, grads, strict=True))
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return loss.detach(), dict(zip(params, grads, strict=True))
+
+
+def preference_reference_losses(
+    sums: torch.Tensor, lengths: torch.Tensor, ref: torch.Tensor | None, loss: Any
+) -> torch.Tensor:
+    """The pair losses of `twinkle_fn.losses.dpo_loss` / `simpo_loss` `loss`, written out with
+    ``log(sigmoid(.))``: `sums`, `lengths` and `ref` (DPO only) ``[2P]`` per sequence,
+    interleaved chosen / rejected; returns ``[P]``."""
+    if loss.kind == "simpo":
+        margin = loss.beta * (sums[0::2] / lengths[0::2] - sums[1::2] / lengths[1::2])
+        return -torch.log(torch.sigmoid(margin - loss.gamma))
+    chosen, rejected = sums[0::2] - ref[0::2], sums[1::2] - ref[1::2]
+    z = loss.beta * (chosen - rejected)
+    eps = loss.label_smoothing
+    return -(1 - eps) * torch.log(torch.sigmoid(z)) - eps * torch.log(torch.sigmoid(-z))
+
+
+def preference_reference(
+    module: torch.nn.Module, features: list[dict[str, Any]], loss: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sum over pairs of `preference_reference_losses` for `features` (interleaved chosen /
+    rejected, with ``ref_logps`` per token or ``ref_seq_logps`` per sample as `loss` reads)
+    and its gradients by parameter name, over a plain forward of `module` on the right-padded
+    batch, in the module's dtype (float64 for a reference)."""
+    logp_all, labels, fields = _reference_forward(module, features, loss.fields)
+    supervised = labels != -100
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
+    sums = torch.where(supervised, logp, 0.0).sum(-1)  # [B]
+    lengths = supervised.sum(-1).to(sums.dtype)  # [B]
+    ref = None
+    if "ref_logps" in fields:
+        ref = torch.where(supervised, fields["ref_logps"], 0.0).sum(-1)
+    elif "ref_seq_logps" in fields:
+        ref = fields["ref_seq_logps"][:, 0]
+    return _with_grads(module, preference_reference_losses(sums, lengths, ref, loss).sum())
 
 
 def with_rl_fields(features: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -225,3 +275,23 @@ def with_rl_fields(features: list[dict[str, Any]], seed: int = 0) -> list[dict[s
         }
         for f, w in zip(features, weights, strict=True)
     ]
+
+
+def with_loss_scale(features: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """`features` (not modified) with a per-token ``loss_scale`` in ``{0, 0.25, ..., 2}`` (zeros
+    included; exact in float32, collation's dtype)."""
+    rng = random.Random(seed)
+    return [{**f, "loss_scale": [rng.randrange(9) / 4 for _ in f["input_ids"]]} for f in features]
+
+
+def weighted_ce_reference(
+    module: torch.nn.Module, features: list[dict[str, Any]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`twinkle_fn.losses.weighted_cross_entropy`'s loss sum over `features` (with
+    ``loss_scale``), ``-sum loss_scale * log p(label)`` over supervised tokens, and its
+    gradients by parameter name, over a plain forward of `module` on the right-padded batch,
+    in the module's dtype (float64 for a reference)."""
+    logp_all, labels, fields = _reference_forward(module, features, ("loss_scale",))
+    logp = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, T]
+    terms = -(fields["loss_scale"].to(logp.dtype) * logp)
+    return _with_grads(module, torch.where(labels != -100, terms, 0.0).sum())

@@ -8,32 +8,51 @@ from twinkle_fn.losses.fused_linear_ce import (
     supervised_rows,
 )
 from twinkle_fn.losses.ppo import ClippedSurrogate, aggregation_weights, ppo_loss
+from twinkle_fn.losses.preference import (
+    LinearisedPairs,
+    PreferenceLoss,
+    dpo_loss,
+    sequence_index,
+    simpo_loss,
+)
 from twinkle_fn.losses.token_loss import (
     PolicyGradient,
+    SequenceLoss,
     TokenInputs,
     TokenLoss,
     check_loss,
+    is_sequence_loss,
     policy_gradient,
     token_entropy,
     token_loss,
 )
+from twinkle_fn.losses.weighted_ce import WeightedCrossEntropy, weighted_cross_entropy
 
 __all__ = [
     "ClippedSurrogate",
+    "LinearisedPairs",
     "LossOutput",
     "PolicyGradient",
+    "PreferenceLoss",
+    "SequenceLoss",
     "TokenInputs",
     "TokenLoss",
     "TokenLossOutput",
+    "WeightedCrossEntropy",
     "aggregation_weights",
     "check_loss",
     "cross_entropy_sum",
+    "dpo_loss",
     "fused_linear_cross_entropy_sum",
     "group_advantages",
+    "is_sequence_loss",
     "policy_gradient",
     "ppo_loss",
+    "sequence_index",
+    "simpo_loss",
     "supervised_rows",
     "token_entropy",
     "token_logps",
     "token_loss",
+    "weighted_cross_entropy",
 ]

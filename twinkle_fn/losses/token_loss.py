@@ -24,6 +24,12 @@ terms that depend on that token's inputs only, zero where the label is -100; the
 parts then add up to the batch's. Per-sequence quantities (a GRPO sequence mean, say) are
 per-token fields the data carries (a per-sample number is broadcast to its tokens).
 
+A loss that is not a sum of per-token terms (DPO's, a function of per-sequence sums) is a
+*sequence loss*: it has ``fields``, ``check(batch)`` (raises before any compute) and
+``linearise(batch, logps) -> (token_loss, batch)``; ``tf.fwd_bwd`` runs a forward without
+gradients, hands its log-probabilities to ``linearise`` and trains the `TokenLoss` it returns,
+whose gradient is the sequence loss's (`twinkle_fn.losses.preference`).
+
 The default cross entropy is not a `TokenLoss`: ``tf.fwd_bwd(..., loss=None)`` keeps each
 backend's fused linear + cross-entropy kernel, which never builds the ``[tokens, vocab]`` logits.
 A `TokenLoss` runs on the logits in float32, so it costs what ``tf.token_logps`` costs.
@@ -79,6 +85,23 @@ class TokenLoss(Protocol):
 
     def __call__(self, inputs: TokenInputs) -> LossOutput:
         """The token-summed loss of `inputs` and the number of tokens it counts."""
+        ...
+
+
+class SequenceLoss(Protocol):
+    """A loss of per-sequence sums that ``tf.fwd_bwd`` linearises (see the module docstring)."""
+
+    fields: tuple[str, ...]
+
+    def check(self, batch: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` when `batch` cannot feed the loss (before any compute)."""
+        ...
+
+    def linearise(
+        self, batch: Mapping[str, Any], logps: Tensor
+    ) -> tuple[TokenLoss, dict[str, Any]]:
+        """A `TokenLoss` with this loss's gradient and value at the weights that gave `logps`
+        ``[B, T]``, and `batch` with the fields it reads."""
         ...
 
 
@@ -155,21 +178,33 @@ def policy_gradient(entropy_coef: float = 0.0) -> PolicyGradient:
     return PolicyGradient(float(entropy_coef))
 
 
+def is_sequence_loss(loss: Any) -> bool:
+    """Whether `loss` is a sequence loss (module docstring): it has ``linearise``."""
+    return callable(getattr(loss, "linearise", None))
+
+
 def check_loss(loss: Any, batch: Mapping[str, Any]) -> None:
-    """Raise, before any compute, when `loss` is not a `TokenLoss` that `batch` can feed.
+    """Raise, before any compute, when `loss` is not a `TokenLoss` or sequence loss that
+    `batch` can feed.
 
     `batch` is a padded or packed batch (``labels`` ``[B, T]``). Raises ``TypeError`` when
-    `loss` is not callable or lacks ``fields`` / ``needs`` of strings; ``ValueError`` when it
-    needs a term outside `TERMS` or ``"values"`` (no model has a value head yet), or reads a
-    field the batch lacks or that is not a tensor shaped like ``labels``.
+    `loss` is neither (a callable with ``fields`` / ``needs`` of strings, or an object with
+    ``fields``, ``check`` and ``linearise``); ``ValueError`` when it needs a term outside
+    `TERMS` or ``"values"`` (no model has a value head yet), when a sequence loss's ``check``
+    refuses the batch, or when it reads a field the batch lacks or that is not a tensor shaped
+    like ``labels``.
     """
-    if not callable(loss) or not hasattr(loss, "fields") or not hasattr(loss, "needs"):
+    sequence = is_sequence_loss(loss) and callable(getattr(loss, "check", None))
+    token = callable(loss) and hasattr(loss, "needs")
+    if not hasattr(loss, "fields") or not (sequence or token):
         raise TypeError(
             f"loss must be a TokenLoss (a callable with `fields` and `needs`, see "
-            f"twinkle_fn.losses.token_loss), or None for the default cross entropy; got {loss!r}"
+            f"twinkle_fn.losses.token_loss), a sequence loss (`fields`, `check`, `linearise`, "
+            f"e.g. twinkle_fn.losses.dpo_loss), or None for the default cross entropy; got "
+            f"{loss!r}"
         )
     _names(loss.fields, "fields")
-    if "values" in _known_needs(loss):
+    if token and "values" in _known_needs(loss):
         raise ValueError(
             f"the loss {_describe(loss)} needs 'values' (per-token estimates of a value head), "
             "but no model has a value head yet"
@@ -177,6 +212,8 @@ def check_loss(loss: Any, batch: Mapping[str, Any]) -> None:
     labels = batch.get("labels")
     if not isinstance(labels, Tensor):
         raise ValueError("batch has no 'labels' tensor; build it with pad_collate or pack")
+    if sequence:
+        loss.check(batch)
     for name in loss.fields:
         if name not in batch:
             have = sorted(k for k in batch if k not in ("input_ids", "labels"))

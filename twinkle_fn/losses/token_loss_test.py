@@ -138,6 +138,24 @@ def test_a_missing_or_misshapen_field_is_named_before_compute():
         check_loss(loss, {"advantages": torch.ones(1, 3)})
 
 
+def test_a_sequence_loss_is_checked_by_its_own_check_and_needs_one():
+    class Linearisable:
+        fields = ()
+
+        def linearise(self, batch, logps):
+            raise AssertionError("never reached")
+
+    with pytest.raises(TypeError, match=r"a sequence loss .*`check`"):
+        check_loss(Linearisable(), _batch())
+
+    class Refusing(Linearisable):
+        def check(self, batch):
+            raise ValueError("refused by its check")
+
+    with pytest.raises(ValueError, match="refused by its check"):
+        check_loss(Refusing(), _batch())
+
+
 def test_values_are_reserved_and_unknown_terms_are_refused():
     assert {"entropy", "values"} == TERMS
 

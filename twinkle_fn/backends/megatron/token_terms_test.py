@@ -25,14 +25,23 @@ from twinkle_fn.distributed import rank
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.testing import (
     policy_gradient_reference,
+    ppo_reference,
+    preference_reference,
     random_features,
     tiny_config,
+    weighted_ce_reference,
     with_advantages,
+    with_loss_scale,
+    with_rl_fields,
 )
 from twinkle_fn.testing_dist import spawn
 
 VOCAB, PADDED = 10, 16
 PG = tf.losses.policy_gradient(entropy_coef=0.1)
+# every option on: asymmetric clip, k3 KL, entropy bonus, TIS cap, sequence-mean weights
+PPO = tf.losses.ppo_loss(
+    0.2, 0.28, beta=0.1, entropy_coef=0.01, tis_cap=1.5, aggregation="seq_mean_token_mean"
+)
 
 
 def _logits(vocab=VOCAB, seed=0):
@@ -161,6 +170,71 @@ def test_a_models_policy_gradient_equals_the_hf_models_in_float64(
     got = _hf_grads(state, grads)
     module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
     want_sum, want = policy_gradient_reference(module, feats, PG.entropy_coef)
+    assert int(aux["num_tokens"]) == sum(x != -100 for f in feats for x in f["labels"])
+    assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_ppo_loss_equals_its_float64_reference_in_value_and_gradient(megatron_world, layout):
+    """Every option on, two micro-batches: each per-token field (advantages, old, reference and
+    rollout log-probs, loss weights) is split with its tokens. The clip binds on some tokens
+    (the reference writes the surrogate piecewise, so a field misaligned by a token or a
+    micro-batch changes which tokens it binds on, and the gradient). Tolerances of the policy
+    gradient's (float32 here)."""
+    feats = with_rl_fields(random_features(6, seed=3), seed=3)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+    state = _state(num_micro_batches=2)
+    grads, aux = tf.fwd_bwd(state, batch, loss=PPO)
+    got = _hf_grads(state, grads)
+    module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
+    want_sum, want = ppo_reference(module, feats, PPO)
+    assert int(aux["num_tokens"]) == sum(x != -100 for f in feats for x in f["labels"])
+    assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize(
+    "loss",
+    [tf.losses.dpo_loss(0.5, label_smoothing=0.1), tf.losses.simpo_loss(2.5, 0.5)],
+    ids=["dpo", "simpo"],
+)
+def test_a_preference_loss_equals_its_float64_reference_in_value_and_gradient(
+    megatron_world, loss, layout
+):
+    """Three pairs over four micro-batches (2, 2, 1, 1 sequences: the last pair cut in two):
+    the linearised token loss needs no pair on one micro-batch. Tolerances of the policy
+    gradient's (float32 here); the count is the pairs."""
+    feats = with_rl_fields(random_features(6, seed=11), seed=11)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+    state = _state(num_micro_batches=4)
+    grads, aux = tf.fwd_bwd(state, batch, loss=loss)
+    got = _hf_grads(state, grads)
+    module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
+    want_sum, want = preference_reference(module, feats, loss)
+    assert int(aux["num_tokens"]) == 3
+    assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad.double(), want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_weighted_cross_entropy_equals_its_float64_reference(megatron_world, layout):
+    """Per-token loss scales (zeros included) over two micro-batches; tolerances of the policy
+    gradient's (float32 here)."""
+    feats = with_loss_scale(random_features(6, seed=13), seed=13)
+    batch = pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
+    state = _state(num_micro_batches=2)
+    grads, aux = tf.fwd_bwd(state, batch, loss=tf.losses.weighted_cross_entropy())
+    got = _hf_grads(state, grads)
+    module = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.to(torch.float64)
+    want_sum, want = weighted_ce_reference(module, feats)
     assert int(aux["num_tokens"]) == sum(x != -100 for f in feats for x in f["labels"])
     assert float(aux["loss_sum"]) == pytest.approx(float(want_sum), rel=1e-5)
     assert got.keys() == want.keys()
