@@ -62,7 +62,15 @@ class Loss:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        # the settings a user gave: not the derived require_* flags, defaults left out
+        shown = {
+            k: v
+            for k, v in vars(self).items()
+            if not k.startswith(("_", "require_"))
+            and v is not None
+            and not (k == "ignore_index" and v == IGNORE_INDEX)
+        }
+        args = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({args})"
 
 

@@ -19,6 +19,7 @@ from twinkle.dataset import make_template
 from twinkle.device_mesh import DeviceMesh
 from twinkle.model._accumulate import read_loss
 from twinkle.model._group import Group
+from twinkle.model._loss_inputs import with_loss_inputs
 from twinkle.processor import InputProcessor, unpack
 from twinkle.template import Template
 from twinkle_fn.data import IGNORE_INDEX
@@ -49,16 +50,35 @@ def tokenizer(g: Group, tokenizer_id: str | None) -> Any:
     return None if g.template is None else g.template.tokenizer
 
 
-def encode(g: Group, tokenizer_id: str | None, inputs: Any) -> Batch:
+def encode(
+    g: Group, tokenizer_id: str | None, inputs: Any, loss_inputs: Mapping[str, Any] | None = None
+) -> Batch:
     """`inputs` (features, trajectories, or a collated batch) as the core's batch
-    (``input_ids``/``labels``/... ``[batch, seq]``, or packed ``[1, total]``).
+    (``input_ids``/``labels``/... ``[batch, seq]``, or packed ``[1, total]``). For a training
+    call (`loss_inputs` not None, possibly empty) it carries what the group's loss reads
+    (`prepare`); otherwise nothing is attached or checked.
+
+    Raises as `prepare` does.
+    """
+    return g.processor(prepare(g, tokenizer_id, inputs, loss_inputs))
+
+
+def prepare(
+    g: Group, tokenizer_id: str | None, inputs: Any, loss_inputs: Mapping[str, Any] | None
+) -> list[dict[str, Any]] | Mapping[str, Any]:
+    """`inputs` as features (trajectories encoded by the group's template; one feature as a
+    list of it) or a collated batch; for a training call (`loss_inputs` not None) with the
+    per-sample data `loss_inputs` (``advantages``, ``old_logps``...) and the sequence weights
+    of the group's loss attached (`twinkle.model._loss_inputs.with_loss_inputs`).
 
     Raises ``TypeError`` for inputs that are not a list or a mapping, ``ValueError`` when no
-    sample is left.
+    sample is left, and as `with_loss_inputs` for loss inputs that the loss does not read,
+    lacks or cannot align.
     """
     if isinstance(inputs, Mapping):
-        if "messages" not in inputs:
-            return g.processor(inputs)  # one feature, or a collated batch
+        ids = inputs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            return _attach(g, inputs, loss_inputs)  # a collated batch
         inputs = [inputs]
     if not isinstance(inputs, Sequence) or isinstance(inputs, str):
         raise TypeError(
@@ -72,7 +92,12 @@ def encode(g: Group, tokenizer_id: str | None, inputs: Any) -> Batch:
             "inputs is empty (or the template deleted every sample); each rank needs at "
             "least one sample per call"
         )
-    return g.processor(inputs)
+    return _attach(g, inputs, loss_inputs)
+
+
+def _attach(g: Group, inputs: Any, loss_inputs: Mapping[str, Any] | None) -> Any:
+    """`with_loss_inputs` of the group's loss for a training call, else `inputs` as they are."""
+    return inputs if loss_inputs is None else with_loss_inputs(g.loss, inputs, loss_inputs)
 
 
 def outputs(

@@ -242,25 +242,33 @@ class MegatronModel(TrainableModel):
         inputs: Any,
         micro_batch_size: int | None = None,
         adapter_name: str | None = None,
+        **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs` (megatron's schedule), adding the
         gradients to the pending ones. Counts as one micro-batch of gradient accumulation.
 
         `inputs`: feature dicts (``input_ids``, already-shifted ``labels``), chat trajectories
         or a collated batch. `micro_batch_size`: rows per megatron run (default: the whole
-        list at once, split into ``num_micro_batches`` pipeline micro-batches). Returns
-        ``loss`` (token mean on this rank, a float), ``num_tokens`` and ``logps``
-        (``[n_seq, max_len]`` per-token ``log p(label)`` of this rank's samples, 0 where the
-        label is -100, as `TransformersModel` returns them; from the training forward itself,
-        the same on every pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with
-        a collated batch, ``ValueError`` for a non-positive one.
+        list at once, split into ``num_micro_batches`` pipeline micro-batches). `loss_inputs`:
+        the per-sample data the loss of `set_loss` reads (``advantages``, ``old_logps``,
+        ``ref_logps``...; as `TransformersModel.forward_backward`), attached to the samples
+        before they are split into runs (so a sequence-mean loss weighs the whole call's
+        sequences). Returns ``loss`` (this call's token sum over its token count on this rank,
+        a float), ``num_tokens`` and ``logps`` (``[n_seq, max_len]`` per-token
+        ``log p(label)`` of this rank's samples, 0 where the label is -100, as
+        `TransformersModel` returns them; from the training forward itself, the same on every
+        pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with a collated batch,
+        ``ValueError`` for a non-positive one, and before any compute as
+        `TransformersModel.forward_backward` for loss inputs.
         """
         g = self._resolve(adapter_name)
+        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs)
         state = self._ensure_state(g)
+        loss = g.loss.token_loss()
         runs = []
-        for i, chunk in enumerate(_chunks(inputs, micro_batch_size)):
-            batch = _inputs.encode(g, self.tokenizer_id, chunk)
-            runs.append((batch, g.pending.add(state, batch, counts=i == 0)))
+        for i, chunk in enumerate(_chunks(features, micro_batch_size)):
+            batch = g.processor(chunk)
+            runs.append((batch, g.pending.add(state, batch, counts=i == 0, loss=loss)))
         # The runs' sums add up on the device; the call's numbers are read once, here.
         totals = _accumulate.read_loss(
             sum(aux["loss_sum"] for _, aux in runs), sum(aux["num_tokens"] for _, aux in runs)
@@ -269,13 +277,17 @@ class MegatronModel(TrainableModel):
         return ModelOutput(logps=logps, **totals)
 
     @remote_function(dispatch="slice_dp", collect="mean")
-    def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
+    def forward_only(
+        self, *, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False
+    ) -> ModelOutput:
         """An evaluation forward (no gradient): this rank's token-mean ``loss``,
         ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
         on every pipeline stage; ``calculate_metric(is_training=False)`` token-weights them
-        over the data ranks."""
+        over the data ranks. `disable_lora` (upstream's reference log-probs from the base
+        weights) raises ``ValueError``: the core's megatron backend cannot switch its adapter
+        off yet (use a `TransformersModel`, or a second MegatronModel without the adapter)."""
         g, batch = self._encode(adapter_name, inputs)
-        got = tf.token_logps(self._ensure_state(g), batch)
+        got = tf.token_logps(self._ensure_state(g), batch, disable_lora=disable_lora)
         out = ModelOutput(
             logps=unpack(got["logps"], batch),
             **_accumulate.read_loss(got["loss_sum"], got["num_tokens"]),
