@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from twinkle.loss.base import Loss, labels_of, logps_of
+from twinkle_fn.losses import token_logps
 
 REDUCTIONS = ("mean", "sum")
 
@@ -39,12 +40,16 @@ class CrossEntropyLoss(Loss):
     def __call__(
         self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], **kwargs: Any
     ) -> dict[str, Any]:
-        """The cross entropy of ``outputs['logps']`` (or of ``outputs['logits']`` through the
-        core's `token_logps`) against ``inputs['labels']`` ``[B, T]``: ``{'loss': mean,
+        """The cross entropy of ``outputs['logps']`` (or of ``outputs['logits']`` ``[..., vocab]``
+        through the core's `token_logps`) against ``inputs['labels']`` (any shape ``[...]``): ``{'loss': mean,
         'num_tokens': 0}``, or with ``reduction='sum'`` ``{'loss': sum, 'num_tokens': count}``
         (count at least 1, as upstream). Raises `LossInputError` without labels or logps."""
-        labels = labels_of(inputs, self.ignore_index)
-        logps = logps_of(outputs, labels).reshape(labels.shape)  # [B, T]
+        labels = labels_of(inputs, self.ignore_index).reshape(-1)  # [N], any leading shape
+        logps = outputs.get("logps")
+        if logps is None and outputs.get("logits") is not None:
+            logits = outputs["logits"]
+            logps = token_logps(logits.reshape(-1, logits.shape[-1]), labels)
+        logps = logps_of({"logps": logps}, labels).reshape(-1)  # [N]
         mask = labels != -100
         loss_sum = -torch.where(mask, logps, 0.0).sum()
         count = mask.sum().clamp(min=1)
