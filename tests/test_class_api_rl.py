@@ -7,9 +7,10 @@ loss_weights), loss=ppo_loss(0.2, beta=0.04, aggregation='seq_mean_token_mean'))
 ``tf.step`` from the same initial state. Float32, the same kernels on the same numbers (every
 field value is exact in float32): held to rtol 1e-6 / atol 1e-7 (observed bit-identical); the
 step moves every weight checked by far more (lr 1e-2 Adam: about 1e-2 per weight), and a step
-with the cross entropy lands elsewhere. `MegatronModel` runs in one spawned process (megatron's
-global state) with ``micro_batch_size=2`` (the core then runs the same two micro-batches): the sequence
-weights still cover the whole call.
+with the cross entropy lands elsewhere. `TransformersModel` runs padded in one forward, and
+packed (``padding_free=True``, upstream's cookbook) with ``micro_batch_size=2``; `MegatronModel`
+runs in one spawned process (megatron's global state) with ``micro_batch_size=2``. The core
+runs the same micro-batches; the sequence weights cover the whole call either way.
 
 Bad input (advantages of the wrong count, a missing ``old_logps``, ``beta > 0`` without
 ``ref_logps``, a field the loss does not read) is refused before any compute: each is tried
@@ -22,7 +23,7 @@ import torch
 import twinkle_fn as tf
 from twinkle import DeviceMesh
 from twinkle.model import MegatronModel, TransformersModel
-from twinkle_fn.data import pad_collate
+from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.losses import aggregation_weights, ppo_loss
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
@@ -63,7 +64,7 @@ def _core_features(features, old, ref):
     return out
 
 
-def _train_through_the_class(model):
+def _train_through_the_class(model, micro_batch_size=None):
     """The bad calls, then one good GRPO call and step. Returns the model's weights."""
     feats = _features()
     model.set_loss("GRPOLoss", epsilon=0.2, beta=0.04)
@@ -72,20 +73,20 @@ def _train_through_the_class(model):
     for bad, error, match in BAD_CALLS:
         with pytest.raises(error, match=match):
             model.forward_backward(inputs=feats, **{**good, **bad})
-    kwargs = {"micro_batch_size": 2} if isinstance(model, MegatronModel) else {}
-    out = model.forward_backward(inputs=feats, **good, **kwargs)
+    out = model.forward_backward(inputs=feats, **good, micro_batch_size=micro_batch_size)
     model.step()
     return tf.unshard(model.state), ref, out
 
 
-def _train_through_the_core(state, ref, micro_batch_size=4):
+def _train_through_the_core(state, ref, micro_batch_size=4, collate=pad_collate):
     """One step over micro-batches of `micro_batch_size` features, the sequence weights taken
     over all four. Returns the weights and the loss (token sum over token count)."""
     feats = _core_features(_features(), _old_logps(_features()), ref)
     loss = ppo_loss(0.2, beta=0.04, aggregation="seq_mean_token_mean")
     grads, loss_sum, num_tokens = None, 0.0, 0
     for i in range(0, len(feats), micro_batch_size):
-        batch = pad_collate(feats[i : i + micro_batch_size], 0)
+        part = feats[i : i + micro_batch_size]
+        batch = pack(part) if collate is pack else pad_collate(part, 0)
         grads, aux = tf.fwd_bwd(state, batch, accum=grads, loss=loss)
         loss_sum, num_tokens = loss_sum + aux["loss_sum"], num_tokens + aux["num_tokens"]
     state, _ = tf.step(state, grads)
@@ -107,15 +108,23 @@ def _check(via_class, via_core, initial, ce):
     assert any(not torch.allclose(ce[n], via_core[n], atol=1e-4) for n in ce)
 
 
-def test_transformers_model_grpo_step_equals_the_core():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed_micro_batches"])
+def test_transformers_model_grpo_step_equals_the_core(packed):
+    """Padded in one forward; or packed (upstream's cookbook: padding_free=True) in two
+    micro-batches of two samples, which the core then runs alike."""
+
     def model():
         m = TransformersModel(config=tiny_config(), mixed_precision="no", seed=0)
         m.set_optimizer("AdamW", lr=LR)
+        m.set_processor("InputProcessor", padding_free=packed)
         return m
 
+    micro = 2 if packed else None
     initial = tf.unshard(model().state)
-    via_class, ref, out = _train_through_the_class(model())
-    via_core, core_loss = _train_through_the_core(model().state, ref)
+    via_class, ref, out = _train_through_the_class(model(), micro_batch_size=micro)
+    via_core, core_loss = _train_through_the_core(
+        model().state, ref, micro or 4, pack if packed else pad_collate
+    )
     _check(via_class, via_core, initial, _cross_entropy_step(model()))
     assert out["loss"] == pytest.approx(core_loss, rel=1e-6)
     assert out["num_tokens"] == sum(x != -100 for f in _features() for x in f["labels"])
@@ -133,7 +142,7 @@ def _megatron_runs():
         return m
 
     initial = tf.unshard(model().state)
-    via_class, ref, out = _train_through_the_class(model())
+    via_class, ref, out = _train_through_the_class(model(), micro_batch_size=2)
     via_core, core_loss = _train_through_the_core(model().state, ref, micro_batch_size=2)
     with pytest.raises(ValueError, match="disable_lora=True"):
         model().forward_only(inputs=_features(), disable_lora=True)

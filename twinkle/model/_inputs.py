@@ -100,6 +100,21 @@ def _attach(g: Group, inputs: Any, loss_inputs: Mapping[str, Any] | None) -> Any
     return inputs if loss_inputs is None else with_loss_inputs(g.loss, inputs, loss_inputs)
 
 
+def chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
+    """`inputs` whole, or as lists of `micro_batch_size` samples. Raises ``ValueError`` for a
+    `micro_batch_size` that is not a positive int, ``TypeError`` for one with a collated
+    batch."""
+    if micro_batch_size is None:
+        return [inputs]
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if isinstance(inputs, Mapping) or not isinstance(inputs, Sequence):
+        raise TypeError("micro_batch_size needs inputs as a list of features / trajectories")
+    return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
+
+
 def outputs(
     state: tf.TrainState,
     batch: Batch,

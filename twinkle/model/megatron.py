@@ -266,7 +266,7 @@ class MegatronModel(TrainableModel):
         state = self._ensure_state(g)
         loss = g.loss.token_loss()
         runs = []
-        for i, chunk in enumerate(_chunks(features, micro_batch_size)):
+        for i, chunk in enumerate(_inputs.chunks(features, micro_batch_size)):
             batch = g.processor(chunk)
             runs.append((batch, g.pending.add(state, batch, counts=i == 0, loss=loss)))
         # The runs' sums add up on the device; the call's numbers are read once, here.
@@ -379,19 +379,6 @@ _TOGETHER = (
     "MegatronModel.{} is not available: megatron runs forward and backward together in its "
     "pipeline schedule; call forward_backward(inputs=...) (forward_only(inputs=...) to evaluate)"
 )
-
-
-def _chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
-    """`inputs` whole, or as lists of `micro_batch_size` samples."""
-    if micro_batch_size is None:
-        return [inputs]
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if isinstance(inputs, Mapping) or not isinstance(inputs, Sequence):
-        raise TypeError("micro_batch_size needs inputs as a list of features / trajectories")
-    return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
 
 
 def _stack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -119,6 +119,7 @@ class TransformersModel(TrainableModel):
         return_logits: bool = False,
         temperature: float = 1.0,
         gradient_accumulation_steps: int | None = None,
+        micro_batch_size: int | None = None,
         **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs`, adding the gradients to the pending ones.
@@ -128,18 +129,27 @@ class TransformersModel(TrainableModel):
         `loss_inputs`: the per-sample data the loss of `set_loss` reads (``advantages``,
         ``old_logps``, ``ref_logps``...; one entry per sample: a number, the values of its
         supervised tokens, or a full row, see `twinkle.loss.base.align_rows`), carried with the
-        samples' tokens. Returns ``loss`` (this call's loss on this rank: its token sum over
-        its token count, a float) and ``num_tokens``; with `return_logps` / `return_logits`
-        also ``logps`` / ``logits`` from an extra no-grad forward (with the weights the
-        gradient is taken at). `gradient_accumulation_steps` is read at step time. Raises
-        ``TypeError`` / ``ValueError`` before any compute for loss inputs the loss does not
-        read, lacks or cannot align (naming the loss, the input and the fix).
+        samples' tokens. `micro_batch_size`: samples per forward (default all; the same
+        update either way: token sums add up). Returns ``loss`` (this call's loss on this
+        rank: its token sum over its token count, a float) and ``num_tokens``; with
+        `return_logps` / `return_logits` also ``logps`` / ``logits`` from an extra no-grad
+        forward (with the weights the gradient is taken at). `gradient_accumulation_steps` is
+        read at step time. Raises ``TypeError`` / ``ValueError`` before any compute for loss
+        inputs the loss does not read, lacks or cannot align (naming the loss, the input and
+        the fix), and for a bad `micro_batch_size` (as `MegatronModel`'s).
         """
-        g, batch = self._encode(adapter_name, inputs, loss_inputs)
+        g = self._resolve(adapter_name)
+        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs)
+        runs = [g.processor(c) for c in _inputs.chunks(features, micro_batch_size)]
         state = self._ensure_state(g)
+        batch = runs[0] if len(runs) == 1 else g.processor(features)
         out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
-        aux = g.pending.add(state, batch, loss=g.loss.token_loss())
-        out.update(_accumulate.read_loss(aux["loss_sum"], aux["num_tokens"]))
+        sums = [
+            g.pending.add(state, run, counts=i == 0, loss=g.loss.token_loss())
+            for i, run in enumerate(runs)
+        ]
+        loss_sum, num_tokens = (sum(a[k] for a in sums) for k in ("loss_sum", "num_tokens"))
+        out.update(_accumulate.read_loss(loss_sum, num_tokens))
         g.last = (batch, out, False)
         return out
 
