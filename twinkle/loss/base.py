@@ -57,6 +57,11 @@ class Loss:
         ``forward_backward`` call), or None when the loss reads none."""
         return None
 
+    @property
+    def weighs_rows(self) -> bool:
+        """Whether the loss reads per-sample ``loss_weights`` (`row_weights`)."""
+        return self.row_weights([1]) is not None
+
     def __call__(self, inputs: Mapping[str, Any], outputs: Mapping[str, Any], **kwargs: Any) -> Any:
         """``{'loss', 'num_tokens'}`` of `outputs` against `inputs` (see the subclasses)."""
         raise NotImplementedError

@@ -13,8 +13,10 @@ KL to the reference is k3 (``exp(ref - logp) - (ref - logp) - 1``, upstream's) t
 Trained by a model (``set_loss``), a class reads the ``forward_backward`` arguments
 ``advantages`` and ``old_logps`` (and ``ref_logps`` when ``beta > 0``, ``rollout_logps`` with a
 ``tis_cap``); the sequence weights of its aggregation are taken over the sequences of each
-``forward_backward`` call on each data rank (upstream: each micro-batch), and the token sums of
-every call of a step are normalised once, exactly (the core's seam).
+``forward_backward`` call on every data rank, and the token sums of every call of a step are
+normalised once, exactly (the core's seam). One call per step (upstream's GRPO cookbook) is
+thus the sequence mean over the step's sequences; with gradient accumulation the calls weigh
+by their tokens, where upstream averages the calls' means.
 
 Called (``loss(inputs, outputs, advantages=..., old_logps=..., ref_logps=...)``) a class
 behaves as upstream's: without ``advantages`` the loss is 0 (a forward that only harvests

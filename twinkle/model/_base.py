@@ -124,7 +124,7 @@ class TrainableModel(abc.ABC):
         self, adapter_name: str | None, inputs: Any, loss_inputs: Mapping[str, Any] | None = None
     ) -> tuple[_group.Group, Batch]:
         g = self._resolve(adapter_name)
-        return g, _inputs.encode(g, self.tokenizer_id, inputs, loss_inputs)
+        return g, _inputs.encode(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
 
     def _due(self, g: _group.Group, gradient_accumulation_steps: int | None) -> bool:
         """Whether group `g`'s pending gradients hold (at least) the micro-batches of one step

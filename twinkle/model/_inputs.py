@@ -51,7 +51,11 @@ def tokenizer(g: Group, tokenizer_id: str | None) -> Any:
 
 
 def encode(
-    g: Group, tokenizer_id: str | None, inputs: Any, loss_inputs: Mapping[str, Any] | None = None
+    g: Group,
+    tokenizer_id: str | None,
+    inputs: Any,
+    loss_inputs: Mapping[str, Any] | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> Batch:
     """`inputs` (features, trajectories, or a collated batch) as the core's batch
     (``input_ids``/``labels``/... ``[batch, seq]``, or packed ``[1, total]``). For a training
@@ -60,16 +64,21 @@ def encode(
 
     Raises as `prepare` does.
     """
-    return g.processor(prepare(g, tokenizer_id, inputs, loss_inputs))
+    return g.processor(prepare(g, tokenizer_id, inputs, loss_inputs, mesh))
 
 
 def prepare(
-    g: Group, tokenizer_id: str | None, inputs: Any, loss_inputs: Mapping[str, Any] | None
+    g: Group,
+    tokenizer_id: str | None,
+    inputs: Any,
+    loss_inputs: Mapping[str, Any] | None,
+    mesh: DeviceMesh | None = None,
 ) -> list[dict[str, Any]] | Mapping[str, Any]:
     """`inputs` as features (trajectories encoded by the group's template; one feature as a
     list of it) or a collated batch; for a training call (`loss_inputs` not None) with the
     per-sample data `loss_inputs` (``advantages``, ``old_logps``...) and the sequence weights
-    of the group's loss attached (`twinkle.model._loss_inputs.with_loss_inputs`).
+    of the group's loss attached (`twinkle.model._loss_inputs.with_loss_inputs`; the weights
+    over every data rank of `mesh`, a collective on several ranks).
 
     Raises ``TypeError`` for inputs that are not a list or a mapping, ``ValueError`` when no
     sample is left, and as `with_loss_inputs` for loss inputs that the loss does not read,
@@ -78,7 +87,7 @@ def prepare(
     if isinstance(inputs, Mapping):
         ids = inputs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            return _attach(g, inputs, loss_inputs)  # a collated batch
+            return _attach(g, inputs, loss_inputs, mesh)  # a collated batch
         inputs = [inputs]
     if not isinstance(inputs, Sequence) or isinstance(inputs, str):
         raise TypeError(
@@ -92,12 +101,16 @@ def prepare(
             "inputs is empty (or the template deleted every sample); each rank needs at "
             "least one sample per call"
         )
-    return _attach(g, inputs, loss_inputs)
+    return _attach(g, inputs, loss_inputs, mesh)
 
 
-def _attach(g: Group, inputs: Any, loss_inputs: Mapping[str, Any] | None) -> Any:
+def _attach(
+    g: Group, inputs: Any, loss_inputs: Mapping[str, Any] | None, mesh: DeviceMesh | None
+) -> Any:
     """`with_loss_inputs` of the group's loss for a training call, else `inputs` as they are."""
-    return inputs if loss_inputs is None else with_loss_inputs(g.loss, inputs, loss_inputs)
+    if loss_inputs is None:
+        return inputs
+    return with_loss_inputs(g.loss, inputs, loss_inputs, mesh)
 
 
 def chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:

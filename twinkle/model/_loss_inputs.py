@@ -5,7 +5,8 @@ batch fields: the numbers the group's loss reads, aligned with each sample's tok
 upstream's forms (`twinkle.loss.base.align_rows`); here each becomes a per-token list on its
 feature (or a ``[B, T]`` tensor on a collated batch), so the core's collation, packing, micro-
 batch and data-rank splits carry it with its tokens. The loss's sequence weights
-(``loss_weights``, `twinkle.loss.base.Loss.row_weights`) are added over the call's samples.
+(``loss_weights``, `twinkle.loss.base.Loss.row_weights`) are taken over the call's samples on
+every data rank.
 Everything is checked before any compute.
 """
 
@@ -16,9 +17,11 @@ from typing import Any
 
 import torch
 
+from twinkle.device_mesh import DeviceMesh
 from twinkle.loss import Loss
 from twinkle.loss.base import align_rows
 from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.distributed import gather_tensors, world_size
 
 # What to pass for each input a loss needs, for the error that says it is missing.
 _FIX = {
@@ -32,10 +35,16 @@ _FIX = {
 }
 
 
-def with_loss_inputs(loss: Loss, inputs: Any, given: Mapping[str, Any]) -> Any:
+def with_loss_inputs(
+    loss: Loss, inputs: Any, given: Mapping[str, Any], mesh: DeviceMesh | None = None
+) -> Any:
     """`inputs` (a list of features, or a collated padded batch ``[B, T]``) with `given`
     (name -> per-sample data; None values are absent) and the loss's ``loss_weights`` attached
     as batch fields. Features are copied, not modified.
+
+    The weights are the loss's over this call's samples on every data rank of `mesh` (so a
+    sequence mean is the mean over all of them, as one process would take it): on several
+    ranks a collective, which every rank's call joins (the training call already is one).
 
     Raises ``TypeError`` for a name `loss` does not read; ``ValueError`` naming the loss, the
     input and the fix when one it needs is neither given nor on every feature, when data do
@@ -52,12 +61,15 @@ def with_loss_inputs(loss: Loss, inputs: Any, given: Mapping[str, Any]) -> Any:
     if loss.token_loss() is None:
         return inputs
     if isinstance(inputs, Mapping):
-        return _batch_fields(loss, inputs, given)
-    return _feature_fields(loss, inputs, given)
+        return _batch_fields(loss, inputs, given, mesh)
+    return _feature_fields(loss, inputs, given, mesh)
 
 
 def _feature_fields(
-    loss: Loss, features: Sequence[Mapping[str, Any]], given: Mapping[str, Any]
+    loss: Loss,
+    features: Sequence[Mapping[str, Any]],
+    given: Mapping[str, Any],
+    mesh: DeviceMesh | None,
 ) -> list[dict[str, Any]]:
     """`features` as new dicts carrying the loss's fields (per-token float32 tensors)."""
     out = [dict(f) for f in features]
@@ -66,18 +78,20 @@ def _feature_fields(
     for name, value in given.items():
         for f, row in zip(out, align_rows(name, value, masks, torch.float32, loss), strict=True):
             f[name] = row
-    weights = loss.row_weights([int(m.sum()) for m in masks])
-    if weights is not None and not all("loss_weights" in f for f in out):
+    if loss.weighs_rows and not all("loss_weights" in f for f in out):
+        weights = _call_weights(loss, [int(m.sum()) for m in masks], mesh)
         for f, w in zip(out, weights, strict=True):
             f["loss_weights"] = w
     return out
 
 
-def _batch_fields(loss: Loss, batch: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+def _batch_fields(
+    loss: Loss, batch: Mapping[str, Any], given: Mapping[str, Any], mesh: DeviceMesh | None
+) -> dict[str, Any]:
     """A collated padded `batch` with the loss's fields as ``[B, T]`` float32 tensors."""
     out = dict(batch)
     _check_present(loss, given, [set(out)])
-    weighted = loss.row_weights([1]) is not None and "loss_weights" not in out
+    weighted = loss.weighs_rows and "loss_weights" not in out
     if "cu_seqlens" in out and (given or weighted):
         raise ValueError(
             f"the loss {loss!r} needs per-sample data, which a packed batch [1, total] cannot "
@@ -86,12 +100,29 @@ def _batch_fields(loss: Loss, batch: Mapping[str, Any], given: Mapping[str, Any]
     masks = list(out["labels"] != IGNORE_INDEX)  # [T] per row
     for name, value in given.items():
         out[name] = torch.stack(align_rows(name, value, masks, torch.float32, loss))
-    weights = loss.row_weights([int(m.sum()) for m in masks])
-    if weights is not None and weighted:
+    if weighted:
+        weights = _call_weights(loss, [int(m.sum()) for m in masks], mesh)
         out["loss_weights"] = torch.tensor(weights, dtype=torch.float32)[:, None].expand(
             out["labels"].shape
         )
     return out
+
+
+def _call_weights(loss: Loss, lengths: list[int], mesh: DeviceMesh | None) -> list[float]:
+    """`loss`'s ``row_weights`` of this rank's samples (`lengths` supervised tokens each),
+    taken over the samples of every data rank of `mesh` in data-rank order (a collective on
+    several ranks; a data rank's tp / pp / cp peers hold the same samples and count once)."""
+    if mesh is None or world_size() == 1:
+        return loss.row_weights(lengths)
+    gathered = gather_tensors({"lengths": torch.tensor(lengths, dtype=torch.int64)})
+    per_data_rank: dict[int, list[int]] = {}
+    for r in sorted(gathered):
+        data_rank = mesh.get_data_rank_from_global_rank(r)
+        per_data_rank.setdefault(data_rank, gathered[r]["lengths"].tolist())
+    order = sorted(per_data_rank)
+    weights = loss.row_weights([n for d in order for n in per_data_rank[d]])
+    start = sum(len(per_data_rank[d]) for d in order if d < mesh.data_rank)
+    return weights[start : start + len(lengths)]
 
 
 def _check_present(loss: Loss, given: Mapping[str, Any], keys: Sequence[set[str]]) -> None:

@@ -262,7 +262,7 @@ class MegatronModel(TrainableModel):
         `TransformersModel.forward_backward` for loss inputs.
         """
         g = self._resolve(adapter_name)
-        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs)
+        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
         state = self._ensure_state(g)
         loss = g.loss.token_loss()
         runs = []

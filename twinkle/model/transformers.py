@@ -139,7 +139,7 @@ class TransformersModel(TrainableModel):
         the fix), and for a bad `micro_batch_size` (as `MegatronModel`'s).
         """
         g = self._resolve(adapter_name)
-        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs)
+        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
         runs = [g.processor(c) for c in _inputs.chunks(features, micro_batch_size)]
         state = self._ensure_state(g)
         batch = runs[0] if len(runs) == 1 else g.processor(features)
