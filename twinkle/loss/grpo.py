@@ -247,3 +247,6 @@ class PPOLoss(_ClippedLoss):
             aggregation=aggregation,
             max_completion_length=max_completion_length,
         )
+        self.kl_estimator = kl_estimator
+        self.tis_cap = tis_cap
+        self.aggregation = aggregation

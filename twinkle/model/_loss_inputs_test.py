@@ -4,7 +4,7 @@ features and on a collated batch alike; what a loss lacks or cannot align is ref
 import pytest
 import torch
 
-from twinkle.loss import BNPOLoss, CrossEntropyLoss, GRPOLoss
+from twinkle.loss import BNPOLoss, CrossEntropyLoss, GRPOLoss, PPOLoss
 from twinkle.model._loss_inputs import with_loss_inputs
 from twinkle_fn.data import pad_collate
 
@@ -53,3 +53,11 @@ def test_missing_or_misaligned_inputs_are_refused():
     packed = {name: torch.ones(1, 7) for name in ("input_ids", "labels", "advantages", "old_logps")}
     with pytest.raises(ValueError, match="packed batch"):
         with_loss_inputs(GRPOLoss(), {**packed, "cu_seqlens": torch.tensor([0, 4, 7])}, {})
+
+
+def test_ppo_loss_options_name_their_inputs():
+    given = {"advantages": [1.0, 1.0], "old_logps": OLD}
+    with pytest.raises(ValueError, match=r"needs rollout_logps.*tis_cap=None"):
+        with_loss_inputs(PPOLoss(tis_cap=2.0), FEATURES, given)
+    out = with_loss_inputs(PPOLoss(tis_cap=2.0), FEATURES, {**given, "rollout_logps": [0.5, 0.5]})
+    assert out[1]["rollout_logps"].tolist() == [0.5, 0.5, 0.0]

@@ -20,6 +20,12 @@ follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstre
   copies the directory's HF weights into the model through the bridge and refreshes the
   optimizer's fp32 main parameters from them.
 
+Losses are `twinkle.loss`'s, as on `TransformersModel`: the cross entropy by default,
+``set_loss('GRPOLoss', ...)`` for the core's `twinkle_fn.losses.ppo_loss`, reading the
+``advantages`` / ``old_logps`` / ``ref_logps`` given to ``forward_backward``. Reference log-probs
+with the adapter off (``forward_only(disable_lora=True)``) are refused: the core's megatron
+backend cannot switch its adapter off yet.
+
 What both model classes share (step gating, metrics, settings, checkpoints) is in
 `twinkle.model._base.TrainableModel`; what this class refuses of it is `MegatronModel._REFUSED`.
 Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too); continuing an
