@@ -404,7 +404,8 @@ def test_set_lr_scheduler_after_training_started_keeps_the_optimizer_state():
     [
         (lambda m: m.set_optimizer("Lion"), "unknown optimizer 'Lion'; known: AdamW"),
         (lambda m: m.set_lr_scheduler("StepLR", step_size=2), "unknown lr scheduler.*Cosine"),
-        (lambda m: m.set_loss("GRPOLoss"), "cross entropy only"),
+        (lambda m: m.set_loss("GSPOLoss"), "GSPOLoss.*not available.*sequence-level"),
+        (lambda m: m.set_loss("GRPOLoss", ignore_index=0), "ignore_index must be -100"),
         (lambda m: m.set_optimizer("AdamW", adapter_name="nope"), "adapter 'nope' does not exist"),
         (lambda m: m.forward_backward(inputs=random_features(1), adapter_name="x"), "'x' does not"),
         (lambda m: m.forward_backward(inputs=[]), "empty"),

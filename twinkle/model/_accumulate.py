@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 import twinkle_fn as tf
+from twinkle_fn.losses import TokenLoss
 
 
 @dataclasses.dataclass
@@ -34,14 +35,19 @@ class Pending:
     micro_batches: int = 0
 
     def add(
-        self, state: tf.TrainState, batch: Mapping[str, torch.Tensor], *, counts: bool = True
+        self,
+        state: tf.TrainState,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        counts: bool = True,
+        loss: TokenLoss | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Forward and backward on `batch`, adding its gradients (one more micro-batch unless
-        `counts` is False: a later part of the same one). Returns the core's ``loss_sum`` and
-        ``num_tokens`` of `batch` (0-d device tensors, not read here; `read_loss` gives the
-        numbers), and the ``logps`` ``[batch, seq]`` of backends whose forward yields them
-        (megatron's)."""
-        self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads)
+        """Forward and backward of `loss` (None: the fused cross entropy) on `batch`, adding
+        its gradients (one more micro-batch unless `counts` is False: a later part of the same
+        one). Returns the core's ``loss_sum`` and ``num_tokens`` of `batch` (0-d device
+        tensors, not read here; `read_loss` gives the numbers), and the ``logps``
+        ``[batch, seq]`` of backends whose forward yields them (megatron's)."""
+        self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads, loss=loss)
         self.micro_batches += counts
         return aux
 

@@ -120,9 +120,11 @@ class TrainableModel(abc.ABC):
     def _resolve(self, adapter_name: str | None) -> _group.Group:
         return self._groups.resolve(adapter_name)
 
-    def _encode(self, adapter_name: str | None, inputs: Any) -> tuple[_group.Group, Batch]:
+    def _encode(
+        self, adapter_name: str | None, inputs: Any, loss_inputs: Mapping[str, Any] | None = None
+    ) -> tuple[_group.Group, Batch]:
         g = self._resolve(adapter_name)
-        return g, _inputs.encode(g, self.tokenizer_id, inputs)
+        return g, _inputs.encode(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
 
     def _due(self, g: _group.Group, gradient_accumulation_steps: int | None) -> bool:
         """Whether group `g`'s pending gradients hold (at least) the micro-batches of one step
@@ -205,11 +207,14 @@ class TrainableModel(abc.ABC):
     # Settings.
     @remote_function()
     def set_loss(self, loss_cls: Any, **kwargs: Any) -> None:
-        """Accepts the cross entropy ('CrossEntropyLoss' / 'cross_entropy'), the only loss of
-        this build (fused into the lm_head). Raises ``ValueError`` for any other loss, or for
-        an ``ignore_index`` other than -100."""
-        self._resolve(kwargs.pop("adapter_name", None))
-        _group.check_loss(loss_cls, kwargs)
+        """Train with the loss `loss_cls`: a `twinkle.loss` class, instance or name (class name
+        or upstream's short name), built with `kwargs`, e.g. ``set_loss('GRPOLoss',
+        epsilon=0.2, beta=0.04)``. The cross entropy (the default) keeps the fused kernel; a
+        policy loss then reads ``advantages`` / ``old_logps`` / ``ref_logps`` given to
+        ``forward_backward``. Raises ``ValueError`` for an unknown or unavailable loss (saying
+        why), arguments it refuses, or an ``ignore_index`` other than -100."""
+        g = self._resolve(kwargs.pop("adapter_name", None))
+        g.loss = _group.model_loss(loss_cls, kwargs)
 
     @remote_function()
     def set_template(self, template_cls: Any = "Template", **kwargs: Any) -> None:

@@ -19,14 +19,13 @@ import torch
 import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
+from twinkle.loss import CrossEntropyLoss, Loss, make_loss
 from twinkle.model import optim
 from twinkle.model._accumulate import Pending
 from twinkle.processor import InputProcessor
 from twinkle.template import Template
 from twinkle_fn.distributed import gather_tensors, world_size
 from twinkle_fn.optim import GradientTransformation, Schedule
-
-LOSSES = ("CrossEntropyLoss", "cross_entropy")
 
 
 @dataclasses.dataclass
@@ -39,6 +38,7 @@ class Group:
         default_factory=lambda: optim.optimizer_spec("AdamW")
     )
     scheduler: tuple[Any, dict[str, Any]] | None = None
+    loss: Loss = dataclasses.field(default_factory=CrossEntropyLoss)
     template: Template | None = None
     processor: InputProcessor | None = None
     last: tuple[dict[str, torch.Tensor], ModelOutput, bool] | None = None  # batch, out, train
@@ -192,16 +192,14 @@ def accumulation_steps(g: Group, gradient_accumulation_steps: int | None) -> int
     return gas
 
 
-def check_loss(loss_cls: Any, kwargs: dict[str, Any]) -> None:
-    """Raises ``ValueError`` unless `loss_cls` is the cross entropy with ignore_index -100."""
-    name = loss_cls if isinstance(loss_cls, str) else getattr(loss_cls, "__name__", "")
-    if name not in LOSSES:
-        raise ValueError(
-            f"loss {loss_cls!r} is not available; this build trains with the causal-LM "
-            f"cross entropy only ({' / '.join(LOSSES)})"
-        )
-    if kwargs.get("ignore_index", -100) != -100:
-        raise ValueError(f"ignore_index must be -100, got {kwargs['ignore_index']}")
+def model_loss(loss_cls: Any, kwargs: dict[str, Any]) -> Loss:
+    """The `twinkle.loss` loss `loss_cls` names (`twinkle.loss.make_loss`) for a model to train
+    with. Raises ``ValueError`` as `make_loss` does, and for an ``ignore_index`` other than
+    -100 (the model's labels mark ignored tokens with -100)."""
+    loss = make_loss(loss_cls, **kwargs)
+    if loss.ignore_index != -100:
+        raise ValueError(f"ignore_index must be -100, got {loss.ignore_index}")
+    return loss
 
 
 def add_eval(g: Group, out: ModelOutput) -> None:
@@ -247,6 +245,6 @@ def describe(g: Group) -> list[str]:
         f"optimizer: {opt.name}(lr={opt.lr}, {opt.kwargs})",
         f"lr_scheduler: {sched}",
         f"gradient_accumulation_steps: {g.gradient_accumulation_steps}",
-        "loss: CrossEntropyLoss (token mean over every micro-batch and data rank)",
+        f"loss: {g.loss!r} (token sums normalised once over every micro-batch and data rank)",
         f"processor: padding_free={processor.padding_free if processor else False}",
     ]

@@ -19,6 +19,7 @@ from twinkle.dataset import make_template
 from twinkle.device_mesh import DeviceMesh
 from twinkle.model._accumulate import read_loss
 from twinkle.model._group import Group
+from twinkle.model._loss_inputs import with_loss_inputs
 from twinkle.processor import InputProcessor, unpack
 from twinkle.template import Template
 from twinkle_fn.data import IGNORE_INDEX
@@ -49,16 +50,44 @@ def tokenizer(g: Group, tokenizer_id: str | None) -> Any:
     return None if g.template is None else g.template.tokenizer
 
 
-def encode(g: Group, tokenizer_id: str | None, inputs: Any) -> Batch:
+def encode(
+    g: Group,
+    tokenizer_id: str | None,
+    inputs: Any,
+    loss_inputs: Mapping[str, Any] | None = None,
+    mesh: DeviceMesh | None = None,
+) -> Batch:
     """`inputs` (features, trajectories, or a collated batch) as the core's batch
-    (``input_ids``/``labels``/... ``[batch, seq]``, or packed ``[1, total]``).
+    (``input_ids``/``labels``/... ``[batch, seq]``, or packed ``[1, total]``). For a training
+    call (`loss_inputs` not None, possibly empty) it carries what the group's loss reads
+    (`prepare`); otherwise nothing is attached or checked.
+
+    Raises as `prepare` does.
+    """
+    return g.processor(prepare(g, tokenizer_id, inputs, loss_inputs, mesh))
+
+
+def prepare(
+    g: Group,
+    tokenizer_id: str | None,
+    inputs: Any,
+    loss_inputs: Mapping[str, Any] | None,
+    mesh: DeviceMesh | None = None,
+) -> list[dict[str, Any]] | Mapping[str, Any]:
+    """`inputs` as features (trajectories encoded by the group's template; one feature as a
+    list of it) or a collated batch; for a training call (`loss_inputs` not None) with the
+    per-sample data `loss_inputs` (``advantages``, ``old_logps``...) and the sequence weights
+    of the group's loss attached (`twinkle.model._loss_inputs.with_loss_inputs`; the weights
+    over every data rank of `mesh`, a collective on several ranks).
 
     Raises ``TypeError`` for inputs that are not a list or a mapping, ``ValueError`` when no
-    sample is left.
+    sample is left, and as `with_loss_inputs` for loss inputs that the loss does not read,
+    lacks or cannot align.
     """
     if isinstance(inputs, Mapping):
-        if "messages" not in inputs:
-            return g.processor(inputs)  # one feature, or a collated batch
+        ids = inputs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            return _attach(g, inputs, loss_inputs, mesh)  # a collated batch
         inputs = [inputs]
     if not isinstance(inputs, Sequence) or isinstance(inputs, str):
         raise TypeError(
@@ -72,7 +101,31 @@ def encode(g: Group, tokenizer_id: str | None, inputs: Any) -> Batch:
             "inputs is empty (or the template deleted every sample); each rank needs at "
             "least one sample per call"
         )
-    return g.processor(inputs)
+    return _attach(g, inputs, loss_inputs, mesh)
+
+
+def _attach(
+    g: Group, inputs: Any, loss_inputs: Mapping[str, Any] | None, mesh: DeviceMesh | None
+) -> Any:
+    """`with_loss_inputs` of the group's loss for a training call, else `inputs` as they are."""
+    if loss_inputs is None:
+        return inputs
+    return with_loss_inputs(g.loss, inputs, loss_inputs, mesh)
+
+
+def chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
+    """`inputs` whole, or as lists of `micro_batch_size` samples. Raises ``ValueError`` for a
+    `micro_batch_size` that is not a positive int, ``TypeError`` for one with a collated
+    batch."""
+    if micro_batch_size is None:
+        return [inputs]
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+    if isinstance(inputs, Mapping) or not isinstance(inputs, Sequence):
+        raise TypeError("micro_batch_size needs inputs as a list of features / trajectories")
+    return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
 
 
 def outputs(

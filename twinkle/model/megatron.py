@@ -20,6 +20,12 @@ follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstre
   copies the directory's HF weights into the model through the bridge and refreshes the
   optimizer's fp32 main parameters from them.
 
+Losses are `twinkle.loss`'s, as on `TransformersModel`: the cross entropy by default,
+``set_loss('GRPOLoss', ...)`` for the core's `twinkle_fn.losses.ppo_loss`, reading the
+``advantages`` / ``old_logps`` / ``ref_logps`` given to ``forward_backward``. Reference log-probs
+with the adapter off (``forward_only(disable_lora=True)``) are refused: the core's megatron
+backend cannot switch its adapter off yet.
+
 What both model classes share (step gating, metrics, settings, checkpoints) is in
 `twinkle.model._base.TrainableModel`; what this class refuses of it is `MegatronModel._REFUSED`.
 Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too); continuing an
@@ -242,25 +248,33 @@ class MegatronModel(TrainableModel):
         inputs: Any,
         micro_batch_size: int | None = None,
         adapter_name: str | None = None,
+        **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs` (megatron's schedule), adding the
         gradients to the pending ones. Counts as one micro-batch of gradient accumulation.
 
         `inputs`: feature dicts (``input_ids``, already-shifted ``labels``), chat trajectories
         or a collated batch. `micro_batch_size`: rows per megatron run (default: the whole
-        list at once, split into ``num_micro_batches`` pipeline micro-batches). Returns
-        ``loss`` (token mean on this rank, a float), ``num_tokens`` and ``logps``
-        (``[n_seq, max_len]`` per-token ``log p(label)`` of this rank's samples, 0 where the
-        label is -100, as `TransformersModel` returns them; from the training forward itself,
-        the same on every pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with
-        a collated batch, ``ValueError`` for a non-positive one.
+        list at once, split into ``num_micro_batches`` pipeline micro-batches). `loss_inputs`:
+        the per-sample data the loss of `set_loss` reads (``advantages``, ``old_logps``,
+        ``ref_logps``...; as `TransformersModel.forward_backward`), attached to the samples
+        before they are split into runs (so a sequence-mean loss weighs the whole call's
+        sequences). Returns ``loss`` (this call's token sum over its token count on this rank,
+        a float), ``num_tokens`` and ``logps`` (``[n_seq, max_len]`` per-token
+        ``log p(label)`` of this rank's samples, 0 where the label is -100, as
+        `TransformersModel` returns them; from the training forward itself, the same on every
+        pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with a collated batch,
+        ``ValueError`` for a non-positive one, and before any compute as
+        `TransformersModel.forward_backward` for loss inputs.
         """
         g = self._resolve(adapter_name)
+        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
         state = self._ensure_state(g)
+        loss = g.loss.token_loss()
         runs = []
-        for i, chunk in enumerate(_chunks(inputs, micro_batch_size)):
-            batch = _inputs.encode(g, self.tokenizer_id, chunk)
-            runs.append((batch, g.pending.add(state, batch, counts=i == 0)))
+        for i, chunk in enumerate(_inputs.chunks(features, micro_batch_size)):
+            batch = g.processor(chunk)
+            runs.append((batch, g.pending.add(state, batch, counts=i == 0, loss=loss)))
         # The runs' sums add up on the device; the call's numbers are read once, here.
         totals = _accumulate.read_loss(
             sum(aux["loss_sum"] for _, aux in runs), sum(aux["num_tokens"] for _, aux in runs)
@@ -269,13 +283,17 @@ class MegatronModel(TrainableModel):
         return ModelOutput(logps=logps, **totals)
 
     @remote_function(dispatch="slice_dp", collect="mean")
-    def forward_only(self, *, inputs: Any, adapter_name: str | None = None) -> ModelOutput:
+    def forward_only(
+        self, *, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False
+    ) -> ModelOutput:
         """An evaluation forward (no gradient): this rank's token-mean ``loss``,
         ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
         on every pipeline stage; ``calculate_metric(is_training=False)`` token-weights them
-        over the data ranks."""
+        over the data ranks. `disable_lora` (upstream's reference log-probs from the base
+        weights) raises ``ValueError``: the core's megatron backend cannot switch its adapter
+        off yet (use a `TransformersModel`, or a second MegatronModel without the adapter)."""
         g, batch = self._encode(adapter_name, inputs)
-        got = tf.token_logps(self._ensure_state(g), batch)
+        got = tf.token_logps(self._ensure_state(g), batch, disable_lora=disable_lora)
         out = ModelOutput(
             logps=unpack(got["logps"], batch),
             **_accumulate.read_loss(got["loss_sum"], got["num_tokens"]),
@@ -367,19 +385,6 @@ _TOGETHER = (
     "MegatronModel.{} is not available: megatron runs forward and backward together in its "
     "pipeline schedule; call forward_backward(inputs=...) (forward_only(inputs=...) to evaluate)"
 )
-
-
-def _chunks(inputs: Any, micro_batch_size: int | None) -> list[Any]:
-    """`inputs` whole, or as lists of `micro_batch_size` samples."""
-    if micro_batch_size is None:
-        return [inputs]
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if isinstance(inputs, Mapping) or not isinstance(inputs, Sequence):
-        raise TypeError("micro_batch_size needs inputs as a list of features / trajectories")
-    return [inputs[i : i + micro_batch_size] for i in range(0, len(inputs), micro_batch_size)]
 
 
 def _stack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -20,8 +20,11 @@ only X's weights get gradients and only X's optimizer steps; the base weights ne
 Without ``adapter_name`` a call uses the last adapter added (upstream's active group). An
 adapter's ``lora_A`` init draws from torch's global generator.
 
-Differences from upstream, by design of the core: the loss is the causal-LM cross entropy fused
-into the lm_head (`set_loss` accepts only that); ``forward``/``calculate_loss``/``backward`` are
+Losses are `twinkle.loss`'s (``set_loss('GRPOLoss', beta=0.04)``): the cross entropy keeps the
+fused lm_head kernel; a policy loss is the core's `twinkle_fn.losses.ppo_loss`, reading the
+``advantages`` / ``old_logps`` / ``ref_logps`` given to ``forward_backward`` as batch fields.
+
+Differences from upstream, by design of the core: ``forward``/``calculate_loss``/``backward`` are
 kept, but the gradient comes from one ``tf.fwd_bwd`` in ``backward`` (so that path runs the
 forward twice: ``forward_backward`` runs it once); log-probs and logits are computed by an extra
 no-grad forward only when asked for (``return_logps=True`` / ``return_logits=True``); the lr
@@ -116,21 +119,37 @@ class TransformersModel(TrainableModel):
         return_logits: bool = False,
         temperature: float = 1.0,
         gradient_accumulation_steps: int | None = None,
+        micro_batch_size: int | None = None,
+        **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs`, adding the gradients to the pending ones.
 
         `inputs`: feature dicts (``input_ids`` and already-shifted ``labels``), chat
-        trajectories (``messages``, encoded by the template) or a collated batch. Returns
-        ``loss`` (this call's token mean on this rank, a float) and ``num_tokens``; with
+        trajectories (``messages``, encoded by the template) or a collated batch.
+        `loss_inputs`: the per-sample data the loss of `set_loss` reads (``advantages``,
+        ``old_logps``, ``ref_logps``...; one entry per sample: a number, the values of its
+        supervised tokens, or a full row, see `twinkle.loss.base.align_rows`), carried with the
+        samples' tokens. `micro_batch_size`: samples per forward (default all; the same
+        update either way: token sums add up). Returns ``loss`` (this call's loss on this
+        rank: its token sum over its token count, a float) and ``num_tokens``; with
         `return_logps` / `return_logits` also ``logps`` / ``logits`` from an extra no-grad
         forward (with the weights the gradient is taken at). `gradient_accumulation_steps` is
-        read at step time.
+        read at step time. Raises ``TypeError`` / ``ValueError`` before any compute for loss
+        inputs the loss does not read, lacks or cannot align (naming the loss, the input and
+        the fix), and for a bad `micro_batch_size` (as `MegatronModel`'s).
         """
-        g, batch = self._encode(adapter_name, inputs)
+        g = self._resolve(adapter_name)
+        features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
+        runs = [g.processor(c) for c in _inputs.chunks(features, micro_batch_size)]
         state = self._ensure_state(g)
+        batch = runs[0] if len(runs) == 1 else g.processor(features)
         out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
-        aux = g.pending.add(state, batch)
-        out.update(_accumulate.read_loss(aux["loss_sum"], aux["num_tokens"]))
+        sums = [
+            g.pending.add(state, run, counts=i == 0, loss=g.loss.token_loss())
+            for i, run in enumerate(runs)
+        ]
+        loss_sum, num_tokens = (sum(a[k] for a in sums) for k in ("loss_sum", "num_tokens"))
+        out.update(_accumulate.read_loss(loss_sum, num_tokens))
         g.last = (batch, out, False)
         return out
 
@@ -142,10 +161,12 @@ class TransformersModel(TrainableModel):
         adapter_name: str | None = None,
         return_logits: bool = False,
         temperature: float = 1.0,
+        **loss_inputs: Any,
     ) -> ModelOutput:
         """A training forward: returns ``logps`` (and ``logits`` if asked); `backward` then
-        takes the gradient of these inputs. No gradient is kept from this call itself."""
-        g, batch = self._encode(adapter_name, inputs)
+        takes the gradient of these inputs (with `loss_inputs`, as `forward_backward`'s) under
+        the group's loss. No gradient is kept from this call itself."""
+        g, batch = self._encode(adapter_name, inputs, loss_inputs)
         out = _inputs.outputs(self._ensure_state(g), batch, temperature, return_logits)
         g.last = (batch, out, True)
         return out
@@ -192,7 +213,7 @@ class TransformersModel(TrainableModel):
         g = self._resolve(adapter_name)
         if g.last is None or not g.last[2]:
             raise ValueError("backward needs a forward(inputs=...) call before it")
-        g.pending.add(self._ensure_state(g), g.last[0])
+        g.pending.add(self._ensure_state(g), g.last[0], loss=g.loss.token_loss())
         g.last = (g.last[0], g.last[1], False)
 
     @remote_function()
