@@ -20,6 +20,12 @@ with ``z_t`` the token's logits (divided by `temperature`), ``p_t`` their softma
 its entropy. Softmax math runs in float32 (float64 for float64 inputs); the logits gradient is
 rounded to the input dtype once, before the matmuls, as in the fused cross entropy.
 
+On CUDA, log-probabilities alone at temperature 1 (what PPO without an entropy bonus and the
+rollouts' log-probs need) run in the cross entropy's Triton kernel (`_ce_kernel`): forward
+reads each chunk's logits once for ``-logp``; backward has the kernel overwrite them with
+``p - onehot`` and scales each row by ``-g_t`` in place. The entropy and other temperatures take
+the torch ops, several passes over each ``[chunk, vocab]`` buffer.
+
 Memory: the transient peak is two ``[chunk, vocab]`` buffers in the accumulation dtype plus,
 for low-precision inputs, one in the input dtype. Saved for backward: the inputs themselves
 (autograd keeps them alive anyway), and the ``[tokens]`` entropy.
@@ -37,6 +43,7 @@ from twinkle_fn.losses.cross_entropy import accumulation_dtype, validate_labels
 from twinkle_fn.losses.fused_linear_ce import (
     DEFAULT_CHUNK_SIZE,
     _accumulate_weight_grad,
+    _kernel_applies,
     _validate,
     _validate_rows,
 )
@@ -66,6 +73,25 @@ def _chunk_log_softmax(
     if temperature != 1.0:
         z /= temperature
     return z.sub_(torch.logsumexp(z, 1, keepdim=True))
+
+
+def _kernel_logps(h: Tensor, y: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One chunk's ``[chunk]`` float32 log-probabilities of `y`, in the Triton kernel."""
+    from twinkle_fn.losses import _ce_kernel  # imports triton: only paid on CUDA
+
+    return -_ce_kernel.cross_entropy_rows_(h @ weight.t(), y, bias, write_grad=False)
+
+
+def _kernel_grad_logits(
+    h: Tensor, y: Tensor, weight: Tensor, bias: Tensor | None, grad_logps: Tensor
+) -> Tensor:
+    """``g_t * (onehot - p_t)`` of one chunk ``[chunk, vocab]`` in h's dtype, in the kernel."""
+    from twinkle_fn.losses import _ce_kernel
+
+    grad = h @ weight.t()  # [chunk, vocab], overwritten by p - onehot
+    _ce_kernel.cross_entropy_rows_(grad, y, bias, write_grad=True)
+    # float32 factors: the product is computed in float32 and rounded once
+    return grad.mul_(-grad_logps.unsqueeze(1))
 
 
 def _chunk_terms(
@@ -118,17 +144,21 @@ class _FusedLinearLogps(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         acc = accumulation_dtype(hidden.dtype)
         bias_acc = None if bias is None else bias.to(acc)
+        use_kernel = _kernel_applies(hidden) and temperature == 1.0 and not with_entropy
         logps = torch.zeros(labels.shape, dtype=acc, device=hidden.device)  # [tokens]
         entropy = torch.zeros_like(logps) if with_entropy else logps.new_zeros(0)
         for start in range(0, rows.numel(), chunk_size):
             index = rows[start : start + chunk_size]
             h, y = hidden.index_select(0, index), labels.index_select(0, index)
-            lp, ent = _chunk_terms(h, y, weight, bias_acc, acc, temperature, with_entropy)
+            if use_kernel:
+                lp, ent = _kernel_logps(h, y, weight, bias_acc), None
+            else:
+                lp, ent = _chunk_terms(h, y, weight, bias_acc, acc, temperature, with_entropy)
             logps.index_copy_(0, index, lp)
             if ent is not None:
                 entropy.index_copy_(0, index, ent)
         ctx.save_for_backward(hidden, weight, bias, labels, rows, entropy)
-        ctx.options = (chunk_size, temperature, with_entropy)
+        ctx.options = (chunk_size, temperature, with_entropy, use_kernel)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
@@ -139,7 +169,7 @@ class _FusedLinearLogps(torch.autograd.Function):
         ctx: FunctionCtx, grad_logps: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, labels, rows, entropy = ctx.saved_tensors
-        chunk_size, t, with_entropy = ctx.options
+        chunk_size, t, with_entropy, use_kernel = ctx.options
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         acc = accumulation_dtype(hidden.dtype)
         bias_acc = None if bias is None else bias.to(acc)
@@ -160,9 +190,12 @@ class _FusedLinearLogps(torch.autograd.Function):
             g = grad_logps.index_select(0, index).to(acc)
             e = None if grad_entropy is None else grad_entropy.index_select(0, index).to(acc)
             ent = None if e is None else entropy.index_select(0, index)
-            grad = _chunk_grad_logits(h, y, weight, bias_acc, acc, t, g, e, ent)
+            if use_kernel:
+                grad = _kernel_grad_logits(h, y, weight, bias_acc, g)  # [chunk, vocab]
+            else:
+                grad = _chunk_grad_logits(h, y, weight, bias_acc, acc, t, g, e, ent)
             if grad_bias is not None:
-                grad_bias += grad.sum(0)
+                grad_bias += grad.sum(0, dtype=acc)
             grad = grad.to(h.dtype)  # [chunk, vocab]
             if grad_weight is not None:
                 _accumulate_weight_grad(grad_weight, grad, h)
