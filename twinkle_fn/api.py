@@ -265,14 +265,17 @@ def step(
     gradient norm once more and syncs the host once per step (the CLI and the class API turn
     it on: they read the loss every step anyway). A float16 model is exempt: its loss scale
     already skips overflowed steps. A backend whose optimizer measures the norm inside its
-    update (megatron) is guarded on the loss alone. Raises `DonatedError` for a donated state
-    or grads, ``ValueError`` for an unknown `on_nonfinite` or ``donate=False`` on a sharded
-    model.
+    update (megatron) is guarded on the loss alone. Raises, before anything is donated (the
+    state stays usable and bit-identical): `DonatedError` for a donated state or grads,
+    ``TypeError`` for grads that are not `Grads` (`check_grads`), ``ValueError`` for grads of
+    other parameters or shapes, a schedule giving a non-finite or negative lr at this step, an
+    unknown `on_nonfinite` or ``donate=False`` on a sharded model.
     """
     state.check_alive()
-    grads.check_alive()
+    check_grads(state, grads)
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    _check_next_lr(state)
     if not donate and state.model.placement is not None:
         raise ValueError(
             "step(donate=False) copies the state, but a sharded model computes with one set of "
@@ -286,6 +289,47 @@ def step(
             _take(grads, "step", donate)
             return new.replace(rng=next_key(new.rng)), skipped
     return backend.update(_take(state, "step", donate), _take(grads, "step", donate))
+
+
+def check_grads(state: TrainState, grads: Any) -> None:
+    """Raise before anything is donated unless `grads` is a live `Grads` shaped like `state`'s
+    parameters: ``TypeError`` for another object (e.g. None: no `fwd_bwd` ran), ``ValueError``
+    naming the missing or extra parameter, or the first tensor of another shape."""
+    if not isinstance(grads, Grads):
+        raise TypeError(
+            f"tf.step: grads must be the Grads returned by tf.fwd_bwd, got "
+            f"{type(grads).__name__}; run tf.fwd_bwd(state, batch) on at least one micro-batch "
+            "before stepping"
+        )
+    grads.check_alive()
+    missing = sorted(set(state.params) - set(grads.params))
+    extra = sorted(set(grads.params) - set(state.params))
+    if missing or extra:
+        raise ValueError(
+            f"tf.step: grads do not match the state's parameters (missing {missing[:3]}, extra "
+            f"{extra[:3]}); pass the grads tf.fwd_bwd computed with this state"
+        )
+    for name, p in state.params.items():
+        if tuple(grads.params[name].shape) != tuple(p.shape):
+            raise ValueError(
+                f"tf.step: grads[{name!r}] has shape {tuple(grads.params[name].shape)}, the "
+                f"parameter {tuple(p.shape)}; pass the grads tf.fwd_bwd computed with this state"
+            )
+
+
+def _check_next_lr(state: TrainState) -> None:
+    """Evaluate the learning rate of the coming update (CPU counters: no device sync), so that
+    a schedule giving a non-finite or negative value is refused before anything is donated."""
+    next_lr = getattr(state.tx, "next_lr", None)
+    if next_lr is None:
+        return
+    try:
+        next_lr(state.opt_state)
+    except ValueError as err:
+        raise ValueError(
+            f"tf.step at step {int(state.step)}: {err}; nothing was updated and the state is "
+            "still usable: fix the schedule (it must give a finite lr >= 0 at every step)"
+        ) from None
 
 
 def _nonfinite_guard(state: TrainState, grads: Grads, on_nonfinite: str) -> dict[str, Any] | None:
