@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_fn import backends, lora
+from twinkle_fn.batch_check import check_batch
 from twinkle_fn.distributed import gather_tensors, rank, world_size
 from twinkle_fn.losses import LossOutput, TokenLoss, check_loss
 from twinkle_fn.mesh import Mesh
@@ -161,11 +162,21 @@ def fwd_bwd(
     unless ``donate=False``. Returns ``(grads, aux)``, aux holding this micro-batch's
     ``loss_sum`` and ``num_tokens``. A module holding several LoRA adapters computes with the
     state's own (`twinkle_fn.lora.use_adapter`). Raises `DonatedError` for
-    a donated state or accum; ``TypeError`` / ``ValueError`` (before any compute) for a `loss`
+    a donated state or accum; ``TypeError`` / ``ValueError`` (before any compute) for a batch
+    `twinkle_fn.batch_check.check_batch` refuses (missing labels, float ids, ids outside the
+    vocabulary, sequences longer than the position table, on one process a batch without a
+    supervised token), for a `loss`
     that is not a `TokenLoss`, needs what no backend gives (``values``) or reads a field
     `batch` lacks (see `twinkle_fn.losses.check_loss`).
     """
     state.check_alive()
+    check_batch(
+        batch,
+        state.model.config,
+        where="tf.fwd_bwd",
+        supervised=True,
+        single_process=world_size() == 1,
+    )
     if loss is not None:
         check_loss(loss, batch)
     if accum is not None:
@@ -180,9 +191,11 @@ def evaluate(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput
     """The token-summed loss and token count of `batch` under `state`, without gradients.
 
     Dropout and other train-mode behaviour follow the module's mode. Raises `DonatedError` for
-    a donated state.
+    a donated state, ``TypeError`` / ``ValueError`` (before any compute) for a batch
+    `twinkle_fn.batch_check.check_batch` refuses.
     """
     state.check_alive()
+    check_batch(batch, state.model.config, where="tf.evaluate")
     lora.use_adapter(state)
     backend = backends.get(state.model.backend)
     out = backend.loss_of(state, batch)
@@ -207,12 +220,14 @@ def token_logps(
     count), and with `return_logits` ``logits`` ``[B, T, vocab]`` divided by `temperature`.
     `disable_lora` computes with the base weights alone (a reference model's log-probs). On
     several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
-    state, ``ValueError`` for a `temperature` that is not positive, and for what the backend
+    state, ``ValueError`` for a `temperature` that is not positive, ``TypeError`` /
+    ``ValueError`` for a batch `twinkle_fn.batch_check.check_batch` refuses, and for what the backend
     does not offer (the megatron backend: a temperature other than 1, logits, disabled LoRA).
     """
     state.check_alive()
     if not (isinstance(temperature, int | float) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    check_batch(batch, state.model.config, where="tf.token_logps")
     lora.use_adapter(state)
     return backends.get(state.model.backend).token_logps(
         state,
