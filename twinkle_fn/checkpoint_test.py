@@ -6,10 +6,12 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import twinkle_fn as tf
 from twinkle_fn.data import pack
+from twinkle_fn.pytree import tree_leaves
 from twinkle_fn.testing import random_features, tiny_config
 
 
@@ -268,3 +270,149 @@ def test_save_refuses_nonfinite_parameters_and_keeps_the_good_checkpoint(tmp_pat
         assert torch.equal(loaded.params[name], p), name
     tf.checkpoint.save(bad, tmp_path / "forced", allow_nonfinite=True)
     assert tf.checkpoint.is_complete(tmp_path / "forced")
+
+
+# A refused load writes nothing: each damaged or foreign checkpoint below is refused, naming the
+# tensor and the file, and the state it was loaded into is still usable and bit-identical.
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _edit_weights(path, edit):
+    """Rewrite the checkpoint's ``model.safetensors`` with `edit` applied to its tensors."""
+    file = path / "model.safetensors"
+    tensors = edit(load_file(file))
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _nan(tensors):
+    tensors[Q][0, 0] = float("nan")
+    return tensors
+
+
+def _truncate(path):
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+def _opt_nan(path):
+    meta = torch.load(path / "twinkle_state.pt", weights_only=True)
+    meta["opt_leaves"][-1].view(-1)[0] = float("inf")
+    torch.save(meta, path / "twinkle_state.pt")
+
+
+def _foreign(**overrides):
+    """Save a state of another config (qwen2 with `overrides`, or a llama) as a directory maker."""
+
+    def make(path):
+        family = overrides.pop("family", "qwen2")
+        model = tf.models.from_hf_config(tiny_config(family, **overrides), seed=0, device="cpu")
+        tf.checkpoint.save(
+            tf.init(model, tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(1e-2))),
+            path,
+        )
+
+    return make
+
+
+DAMAGES = {
+    "another hidden size": (
+        _foreign(hidden_size=64),
+        r"tensor 'model.embed_tokens.weight' has shape \(96, 64\) in .*model\.safetensors, "
+        r"the model expects \(96, 32\)",
+    ),
+    "another family": (
+        _foreign(family="llama"),
+        r"holds a 'llama' model \(config.json\), this state a 'qwen2' one",
+    ),
+    "a missing tensor": (
+        lambda p: _edit_weights(
+            p, lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"}
+        ),
+        r"lacks 1 tensors the model has, e.g. \['model.norm.weight'\]",
+    ),
+    "an extra tensor": (
+        lambda p: _edit_weights(
+            p, lambda t: {**t, "model.layers.2.mlp.up_proj.weight": t[Q].clone()}
+        ),
+        r"holds 1 tensors the model lacks, e.g. \['model.layers.2.mlp.up_proj.weight'\]",
+    ),
+    "NaN bytes": (
+        lambda p: _edit_weights(p, _nan),
+        rf"tensor '{Q}' in .*model\.safetensors holds NaN",
+    ),
+    "a truncated file": (_truncate, r"model\.safetensors: tensor .* the file is truncated"),
+}
+
+
+def _damaged(root, what):
+    """A checkpoint of `_state()` damaged by `what` (built once per name under `root`)."""
+    path = root / what.replace(" ", "_")
+    if not path.exists():
+        if what in ("another hidden size", "another family"):
+            DAMAGES[what][0](path)
+        else:
+            tf.checkpoint.save(_state(), path)
+            {**{k: v[0] for k, v in DAMAGES.items()}, **EXTRA_DAMAGES}[what](path)
+    return path
+
+
+EXTRA_DAMAGES = {
+    "another dtype": lambda p: _edit_weights(
+        p, lambda t: {**t, "model.norm.weight": t["model.norm.weight"].half()}
+    ),
+    "NaN in the optimizer state": _opt_nan,
+}
+
+
+def _assert_intact(state, before):
+    """`state` is live, bit-identical to `before`, and takes a real step (returned)."""
+    assert not state.donated
+    for a, b in zip(tree_leaves(state), tree_leaves(before), strict=True):
+        assert torch.equal(a, b)
+    return tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])[0]
+
+
+@pytest.fixture(scope="module")
+def damaged_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("damaged")
+
+
+@pytest.mark.parametrize("what", list(DAMAGES))
+@pytest.mark.parametrize("how", ["load", "load_weights"])
+def test_a_foreign_or_damaged_checkpoint_is_refused_before_anything_is_written(
+    damaged_root, what, how
+):
+    path = _damaged(damaged_root, what)
+    state = _state(seed=1)
+    before = state.copy()
+    load = tf.checkpoint.load if how == "load" else tf.checkpoint.load_weights
+    with pytest.raises(ValueError, match=DAMAGES[what][1]):
+        load(state, path)
+    _assert_intact(state, before)
+
+
+def test_another_dtype_is_refused_by_load_and_cast_by_load_weights(damaged_root):
+    """A checkpoint of this state holds its dtypes; an HF release may hold any float dtype."""
+    path = _damaged(damaged_root, "another dtype")
+    state = _state(seed=1)
+    before = state.copy()
+    with pytest.raises(
+        ValueError, match=r"'model.norm.weight' is torch.float16 in .*expects torch.float32"
+    ):
+        tf.checkpoint.load(state, path)
+    state = _assert_intact(state, before)
+    tf.checkpoint.load_weights(state, path)
+    assert torch.equal(
+        state.params["model.norm.weight"],
+        load_file(path / "model.safetensors")["model.norm.weight"].float(),
+    )
+
+
+def test_nan_in_the_optimizer_state_is_refused(damaged_root):
+    path = _damaged(damaged_root, "NaN in the optimizer state")
+    state = _state(seed=1)
+    before = state.copy()
+    with pytest.raises(ValueError, match=r"tensor '.*' holds NaN or infinity"):
+        tf.checkpoint.load(state, path)
+    _assert_intact(state, before)
