@@ -98,6 +98,8 @@ def load(state: TrainState, directory: Path, manifest: Mapping[str, Any]) -> Tra
         )
     device = next(iter(state.params.values())).device
     weights = read_weights(directory)
+    if not manifest["sharded"]:  # the parameters come from the HF files alone
+        _require_params(state, weights, directory)
     check_finite(
         weights, where=f"checkpoint {directory}", files=safetensors_specs(directory), device=device
     )
@@ -142,6 +144,7 @@ def load_weights(
     Raises ``ValueError`` naming a tensor that holds NaN or infinity.
     """
     saved = read_weights(directory, rename)
+    _require_params(state, saved, directory)
     check_finite(
         {n: saved[n] for n in state.params},
         where=str(directory),
@@ -150,6 +153,20 @@ def load_weights(
     )
     for name, p in state.params.items():
         copy_into_shard(p, saved[name].to(p.dtype))
+
+
+def _require_params(state: TrainState, saved: Mapping[str, torch.Tensor], directory: Path) -> None:
+    """Refuse HF weights that do not hold each trainable parameter under its module name: a
+    family whose module fuses what its files keep apart (Qwen3-MoE's experts) is read back
+    from the sharded checkpoint's ``dcp/`` only."""
+    missing = [n for n in state.params if n not in saved]
+    if missing:
+        raise ValueError(
+            f"{directory} does not hold these trainable parameters under the module's names: "
+            f"{missing[:3]} (its files keep them in another layout, e.g. one tensor per "
+            "expert); load a checkpoint saved from a sharded state, or start from "
+            "tf.models.from_pretrained"
+        )
 
 
 def _read_dcp(state: TrainState, directory: Path, device: torch.device) -> dict[str, Any]:
