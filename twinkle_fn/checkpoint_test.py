@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -416,3 +418,69 @@ def test_nan_in_the_optimizer_state_is_refused(damaged_root):
     with pytest.raises(ValueError, match=r"tensor '.*' holds NaN or infinity"):
         tf.checkpoint.load(state, path)
     _assert_intact(state, before)
+
+
+def _scheduled(steps, bad_at):
+    """A state after `steps` steps whose schedule gives NaN from step `bad_at` on."""
+    model = tf.models.from_hf_config(tiny_config(), seed=1, device="cpu")
+    schedule = lambda n: 1e-2 if n < bad_at else float("nan")  # noqa: E731
+    tx = tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(schedule))
+    state = tf.init(model, tx)
+    for i in range(steps):
+        state, _ = tf.step(state, tf.fwd_bwd(state, pack(random_features(2, seed=i)))[0])
+    return state
+
+
+def _other_grads(state):
+    small = tf.models.from_hf_config(tiny_config(intermediate_size=32), seed=0, device="cpu")
+    other = tf.init(small, tf.optim.adamw(1e-2))
+    return tf.fwd_bwd(other, pack(random_features(2)))[0]
+
+
+def _poisoned(state):
+    grads = tf.fwd_bwd(state, pack(random_features(2)))[0]
+    grads.params[Q].view(-1)[0] = float("nan")
+    return grads
+
+
+STEP_FAILURES = {
+    "schedule turns NaN": lambda s: tf.step(s, tf.fwd_bwd(s, pack(random_features(2)))[0]),
+    "no grads": lambda s: tf.step(s, None),
+    "grads of another model": lambda s: tf.step(s, _other_grads(s)),
+    "non-finite grads": lambda s: tf.step(s, _poisoned(s), on_nonfinite="raise"),
+}
+LOAD_FAILURES = [*DAMAGES, *EXTRA_DAMAGES]
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    failure=st.sampled_from(
+        [("step", f) for f in STEP_FAILURES]
+        + [(how, d) for how in ("load", "load copy") for d in LOAD_FAILURES]
+        + [("load_weights", d) for d in DAMAGES]  # it casts dtypes, reads no optimizer state
+    ),
+    steps=st.integers(0, 2),
+)
+def test_any_failed_load_or_step_leaves_its_input_usable_and_bit_identical(
+    damaged_root, failure, steps
+):
+    """Invariant 7's last clause as a property: whatever raises inside `tf.checkpoint.load`,
+    `load_weights` or `tf.step`, on a state of any age, the state is not donated, every tensor
+    of it (parameters, optimizer state, step, RNG key) is bit-identical, and a real step runs."""
+    how, what = failure
+    state = _scheduled(steps, bad_at=steps if what == "schedule turns NaN" else 10**9)
+    before = state.copy()
+    with pytest.raises((ValueError, TypeError, tf.NonFiniteError)):
+        if how == "step":
+            STEP_FAILURES[what](state)
+        elif how == "load_weights":
+            tf.checkpoint.load_weights(state, _damaged(damaged_root, what))
+        else:
+            tf.checkpoint.load(state, _damaged(damaged_root, what), donate=how == "load")
+    assert not state.donated
+    for a, b in zip(tree_leaves(state), tree_leaves(before), strict=True):
+        assert torch.equal(a, b)
+    sane = tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(1e-2))
+    state = state.replace(tx=sane)
+    new, info = tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])
+    assert int(new.step) == steps + 1 and torch.isfinite(info["loss"])
