@@ -143,6 +143,41 @@ def test_sharded_checkpoint_resumes_on_another_mesh_and_exports_hf(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
 
 
+def _sharded_refusal(ckpt):
+    """On fsdp2: save a state whose optimizer moments hold an infinity on rank 1 only (a save
+    checks the parameters alone), then load it into a fresh fsdp2 state: every rank refuses,
+    and the state is undonated, bit-identical and steps."""
+    from twinkle_fn.distributed import rank
+
+    state = _dist_step(_dist_state(tf.Mesh(fsdp=2)), 1)
+    if rank() == 1:
+        tree_leaves(state.opt_state)[-1].to_local().view(-1)[0] = float("inf")
+    tf.checkpoint.save(state, ckpt)
+    fresh = _dist_state(tf.Mesh(fsdp=2))
+    before = [
+        t.to_local().clone() if hasattr(t, "to_local") else t.clone() for t in tree_leaves(fresh)
+    ]
+    with pytest.raises(ValueError) as error:
+        tf.checkpoint.load(fresh, ckpt)
+    after = [t.to_local() if hasattr(t, "to_local") else t for t in tree_leaves(fresh)]
+    same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    donated = fresh.donated
+    return str(error.value), donated, same, int(_dist_step(fresh, 2).step)
+
+
+def test_a_sharded_load_is_refused_on_every_rank_before_it_writes(tmp_path):
+    """The DCP part is read into scratch tensors and checked before the state is written; the
+    ranks agree, so the rank that found nothing refuses too rather than write alone."""
+    from twinkle_fn.testing_dist import spawn
+
+    results = spawn(_sharded_refusal, 2, tmp_path / "ckpt")
+    messages = [r[0] for r in results]
+    assert "dcp" in messages[1] and "holds NaN or infinity" in messages[1], messages[1]
+    assert "another rank found a tensor holding NaN or infinity" in messages[0], messages[0]
+    for _, donated, same, step in results:
+        assert not donated and same and step == 1
+
+
 class _Killed(BaseException):
     """The process died: raised by every file-system call from the k-th on, cleanup included."""
 
