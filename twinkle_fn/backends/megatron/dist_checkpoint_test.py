@@ -138,7 +138,8 @@ def _refusals(root):
 
 def _foreign_loads(root):
     """Loads refused before they write: a checkpoint of another hidden size (its HF files, and
-    its dist checkpoint's metadata checked alone), HF weights holding NaN. Per case: the
+    its dist checkpoint's metadata checked alone), HF weights holding NaN (by load_weights and
+    by a model built with from_pretrained). Per case: the
     message, whether the state was donated, whether its weights stayed bit-identical, and the
     loss of a step taken with it afterwards."""
     if rank() == 0:
@@ -168,6 +169,10 @@ def _foreign_loads(root):
             with pytest.raises(ValueError) as error:
                 dist_checkpoint._check_metadata(sharded, root / "ckpt" / dist_checkpoint.DIST_DIR)
             out["metadata"] = str(error.value)
+    model = tf.models.from_pretrained(root / "nan_weights", backend="megatron")
+    with pytest.raises(ValueError) as error:
+        tf.init(model, megatron_optimizer(LR), tf.Mesh(dp=2))
+    out["nan from_pretrained"] = str(error.value)
     return out
 
 
@@ -367,6 +372,9 @@ def test_a_foreign_or_damaged_load_is_refused_before_it_writes(runs):
         # the dist checkpoint's own metadata names the tensor and both shapes too
         assert "has shape" in foreign["metadata"] and "expects" in foreign["metadata"]
         assert "megatron" in foreign["metadata"]
+        # a model directory read by each rank's slices is checked the same way
+        message = foreign["nan from_pretrained"]
+        assert "nan_weights" in message and "holds NaN or infinity" in message, message
 
 
 def test_the_fp16_grad_scaler_round_trips(runs):

@@ -115,7 +115,7 @@ def load(state: TrainState, directory: Path, manifest: Mapping[str, Any]) -> Tra
             {p: TensorSpec.of(t) for p, t in opt},
             where=f"checkpoint {directory} (optimizer state)",
         )
-        check_finite(leaves, where=f"checkpoint {directory}", files={}, device=device)
+        check_finite(leaves, where=f"checkpoint {directory}", device=device)
     # Everything is read and checked: from here on nothing refuses.
     _copy_module_weights(state, weights)
     if manifest["sharded"]:
