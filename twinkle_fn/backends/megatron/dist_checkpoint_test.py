@@ -139,7 +139,8 @@ def _refusals(root):
 def _foreign_loads(root):
     """Loads refused before they write: a checkpoint of another hidden size (its HF files, and
     its dist checkpoint's metadata checked alone), HF weights holding NaN (by load_weights and
-    by a model built with from_pretrained). Per case: the
+    by a model built with from_pretrained), a dist checkpoint whose Adam moments hold an
+    infinity on one rank (every rank refuses). Per case: the
     message, whether the state was donated, whether its weights stayed bit-identical, and the
     loss of a step taken with it afterwards."""
     if rank() == 0:
@@ -169,6 +170,18 @@ def _foreign_loads(root):
             with pytest.raises(ValueError) as error:
                 dist_checkpoint._check_metadata(sharded, root / "ckpt" / dist_checkpoint.DIST_DIR)
             out["metadata"] = str(error.value)
+    state, _ = _steps(_state({"dp": 2}), 0, 1)
+    if rank() == 0:  # an Adam moment on one rank only: a save checks the parameters alone
+        slot = next(iter(state.opt_state.optimizer.chained_optimizers[0].optimizer.state.values()))
+        slot["exp_avg"].view(-1)[0] = float("inf")
+    tf.checkpoint.save(state, root / "inf_moments")
+    state = _state({"dp": 2}, seed=1)
+    before = tf.unshard(state)
+    with pytest.raises(ValueError) as error:
+        tf.checkpoint.load(state, root / "inf_moments")
+    after = tf.unshard(state)
+    same = all(torch.equal(before[k], after[k]) for k in before)
+    out["inf moments"] = (str(error.value), state.donated, same, _steps(state, 0, 1)[1][0])
     model = tf.models.from_pretrained(root / "nan_weights", backend="megatron")
     with pytest.raises(ValueError) as error:
         tf.init(model, megatron_optimizer(LR), tf.Mesh(dp=2))
@@ -355,7 +368,15 @@ def test_failed_saves_leave_nothing_loadable(runs):
         message, exists = refusals["lora"]
         assert "save_adapter" in message and not exists
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["ckpt", "fp16", "moe", "nan_weights", "no_manifest", "resaved_pp2"]
+    assert names == [
+        "ckpt",
+        "fp16",
+        "inf_moments",
+        "moe",
+        "nan_weights",
+        "no_manifest",
+        "resaved_pp2",
+    ]
     assert tf.checkpoint.read_extra(root / "ckpt") == {"consumed": 16}
 
 
@@ -372,6 +393,9 @@ def test_a_foreign_or_damaged_load_is_refused_before_it_writes(runs):
         # the dist checkpoint's own metadata names the tensor and both shapes too
         assert "has shape" in foreign["metadata"] and "expects" in foreign["metadata"]
         assert "megatron" in foreign["metadata"]
+        message, donated, same, loss = foreign["inf moments"]
+        assert "holds NaN or infinity" in message and "inf_moments" in message, message
+        assert not donated and same and math.isfinite(loss)
         # a model directory read by each rank's slices is checked the same way
         message = foreign["nan from_pretrained"]
         assert "nan_weights" in message and "holds NaN or infinity" in message, message
