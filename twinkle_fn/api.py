@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_fn import backends, lora
+from twinkle_fn.batch_check import check_batch
 from twinkle_fn.distributed import gather_tensors, rank, world_size
 from twinkle_fn.losses import LossOutput, SequenceLoss, TokenLoss, check_loss, is_sequence_loss
 from twinkle_fn.mesh import Mesh
@@ -164,10 +165,20 @@ def fwd_bwd(
     ``loss_sum`` and ``num_tokens`` (the loss's count: pairs for a preference loss). A module
     holding several LoRA adapters computes with the state's own (`twinkle_fn.lora.use_adapter`).
     Raises `DonatedError` for a donated state or accum; ``TypeError`` / ``ValueError`` (before
-    any compute) for a `loss` that is neither, needs what no backend gives (``values``), reads
-    a field `batch` lacks, or refuses the batch (see `twinkle_fn.losses.check_loss`).
+    any compute) for a batch `twinkle_fn.batch_check.check_batch` refuses (missing labels, float
+    ids, ids outside the vocabulary, sequences longer than the position table, on one process a
+    batch without a supervised token), and for a `loss` that is neither, needs what no backend
+    gives (``values``), reads a field `batch` lacks, or refuses the batch (see
+    `twinkle_fn.losses.check_loss`).
     """
     state.check_alive()
+    check_batch(
+        batch,
+        state.model.config,
+        where="tf.fwd_bwd",
+        supervised=True,
+        single_process=world_size() == 1,
+    )
     if loss is not None:
         check_loss(loss, batch)
     if accum is not None:
@@ -185,9 +196,11 @@ def evaluate(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput
     """The token-summed loss and token count of `batch` under `state`, without gradients.
 
     Dropout and other train-mode behaviour follow the module's mode. Raises `DonatedError` for
-    a donated state.
+    a donated state, ``TypeError`` / ``ValueError`` (before any compute) for a batch
+    `twinkle_fn.batch_check.check_batch` refuses.
     """
     state.check_alive()
+    check_batch(batch, state.model.config, where="tf.evaluate")
     lora.use_adapter(state)
     backend = backends.get(state.model.backend)
     out = backend.loss_of(state, batch)
@@ -212,12 +225,14 @@ def token_logps(
     count), and with `return_logits` ``logits`` ``[B, T, vocab]`` divided by `temperature`.
     `disable_lora` computes with the base weights alone (a reference model's log-probs). On
     several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
-    state, ``ValueError`` for a `temperature` that is not positive, and for what the backend
+    state, ``ValueError`` for a `temperature` that is not positive, ``TypeError`` /
+    ``ValueError`` for a batch `twinkle_fn.batch_check.check_batch` refuses, and for what the backend
     does not offer (the megatron backend: a temperature other than 1, logits, disabled LoRA).
     """
     state.check_alive()
     if not (isinstance(temperature, int | float) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    check_batch(batch, state.model.config, where="tf.token_logps")
     lora.use_adapter(state)
     return backends.get(state.model.backend).token_logps(
         state,
@@ -270,14 +285,17 @@ def step(
     gradient norm once more and syncs the host once per step (the CLI and the class API turn
     it on: they read the loss every step anyway). A float16 model is exempt: its loss scale
     already skips overflowed steps. A backend whose optimizer measures the norm inside its
-    update (megatron) is guarded on the loss alone. Raises `DonatedError` for a donated state
-    or grads, ``ValueError`` for an unknown `on_nonfinite` or ``donate=False`` on a sharded
-    model.
+    update (megatron) is guarded on the loss alone. Raises, before anything is donated (the
+    state stays usable and bit-identical): `DonatedError` for a donated state or grads,
+    ``TypeError`` for grads that are not `Grads` (`check_grads`), ``ValueError`` for grads of
+    other parameters or shapes, a schedule giving a non-finite or negative lr at this step, an
+    unknown `on_nonfinite` or ``donate=False`` on a sharded model.
     """
     state.check_alive()
-    grads.check_alive()
+    check_grads(state, grads)
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    _check_next_lr(state)
     if not donate and state.model.placement is not None:
         raise ValueError(
             "step(donate=False) copies the state, but a sharded model computes with one set of "
@@ -291,6 +309,47 @@ def step(
             _take(grads, "step", donate)
             return new.replace(rng=next_key(new.rng)), skipped
     return backend.update(_take(state, "step", donate), _take(grads, "step", donate))
+
+
+def check_grads(state: TrainState, grads: Any) -> None:
+    """Raise before anything is donated unless `grads` is a live `Grads` shaped like `state`'s
+    parameters: ``TypeError`` for another object (e.g. None: no `fwd_bwd` ran), ``ValueError``
+    naming the missing or extra parameter, or the first tensor of another shape."""
+    if not isinstance(grads, Grads):
+        raise TypeError(
+            f"tf.step: grads must be the Grads returned by tf.fwd_bwd, got "
+            f"{type(grads).__name__}; run tf.fwd_bwd(state, batch) on at least one micro-batch "
+            "before stepping"
+        )
+    grads.check_alive()
+    missing = sorted(set(state.params) - set(grads.params))
+    extra = sorted(set(grads.params) - set(state.params))
+    if missing or extra:
+        raise ValueError(
+            f"tf.step: grads do not match the state's parameters (missing {missing[:3]}, extra "
+            f"{extra[:3]}); pass the grads tf.fwd_bwd computed with this state"
+        )
+    for name, p in state.params.items():
+        if tuple(grads.params[name].shape) != tuple(p.shape):
+            raise ValueError(
+                f"tf.step: grads[{name!r}] has shape {tuple(grads.params[name].shape)}, the "
+                f"parameter {tuple(p.shape)}; pass the grads tf.fwd_bwd computed with this state"
+            )
+
+
+def _check_next_lr(state: TrainState) -> None:
+    """Evaluate the learning rate of the coming update (CPU counters: no device sync), so that
+    a schedule giving a non-finite or negative value is refused before anything is donated."""
+    next_lr = getattr(state.tx, "next_lr", None)
+    if next_lr is None:
+        return
+    try:
+        next_lr(state.opt_state)
+    except ValueError as err:
+        raise ValueError(
+            f"tf.step at step {int(state.step)}: {err}; nothing was updated and the state is "
+            "still usable: fix the schedule (it must give a finite lr >= 0 at every step)"
+        ) from None
 
 
 def _nonfinite_guard(state: TrainState, grads: Grads, on_nonfinite: str) -> dict[str, Any] | None:

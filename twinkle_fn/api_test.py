@@ -279,3 +279,58 @@ def test_a_loss_that_cannot_run_is_refused_before_compute(monkeypatch):
         with pytest.raises(error, match=match):
             tf.fwd_bwd(state, pack(feats), accum, loss=loss)
     accum.check_alive()
+
+
+def _assert_intact(state, before, grads=None, grads_before=None):
+    """`state` (and `grads`) live and bit-identical to the copies taken before, and a real step
+    still runs from them."""
+    assert not state.donated
+    for a, b in zip(tree_leaves(state), tree_leaves(before), strict=True):
+        assert torch.equal(a, b)
+    if grads is not None:
+        assert not grads.donated
+        for a, b in zip(tree_leaves(grads), tree_leaves(grads_before), strict=True):
+            assert torch.equal(a, b)
+    tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"), [(float("nan"), "nan"), (float("inf"), "inf"), (-1e-3, "-0.001")]
+)
+def test_a_schedule_that_goes_bad_is_refused_before_anything_is_donated(bad, shown):
+    """A schedule fine at step 0 and bad at step 1: the second step names the step and the
+    value, and neither the state nor the grads were touched (clipping and the token division
+    happen in place, so a late refusal would have changed the grads)."""
+    tx = tf.optim.chain(
+        tf.optim.clip_by_global_norm(1e-3), tf.optim.adamw(lambda n: 1e-2 if n == 0 else bad)
+    )
+    model = tf.models.from_hf_config(tiny_config(), seed=0)
+    state = tf.init(model, tx)
+    state, _ = tf.step(state, tf.fwd_bwd(state, pack(random_features(2)))[0])
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2, seed=1)))
+    before, grads_before = state.copy(), grads.copy()
+    with pytest.raises(ValueError, match=rf"tf.step at step 1: .*bad value at step 1.*{shown}"):
+        tf.step(state, grads)
+    with pytest.raises(ValueError, match=r"tf\.step at step 1"):
+        tf.step(state, grads)  # refused again: the first refusal changed nothing
+    sane = tf.optim.chain(tf.optim.clip_by_global_norm(1e-3), tf.optim.adamw(1e-2))
+    state = state.replace(tx=sane)  # the same state tree, a sane schedule
+    _assert_intact(state, before, grads, grads_before)
+
+
+def test_step_without_grads_or_with_other_grads_names_the_problem():
+    state = _state()
+    before = state.copy()
+    with pytest.raises(
+        TypeError, match=r"grads must be the Grads returned by tf\.fwd_bwd, got NoneType"
+    ):
+        tf.step(state, None)
+    grads, _ = tf.fwd_bwd(state, pack(random_features(2)))
+    name = next(iter(grads.params))
+    fewer = grads.replace(params={n: g for n, g in grads.params.items() if n != name})
+    with pytest.raises(ValueError, match=rf"missing \['{name}'\]"):
+        tf.step(state, fewer)
+    flat = {n: g.reshape(-1) if n == name else g for n, g in grads.params.items()}
+    with pytest.raises(ValueError, match=rf"grads\['{name}'\] has shape"):
+        tf.step(state, grads.replace(params=flat))
+    _assert_intact(state, before)

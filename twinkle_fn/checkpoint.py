@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from twinkle_fn import backends
 from twinkle_fn.distributed import rank, world_size
 from twinkle_fn.state import TrainState
+from twinkle_fn.tensor_specs import TensorSpec, check_specs, safetensors_specs
 
 MANIFEST = "twinkle_manifest.json"
 FORMAT = 1
@@ -178,23 +179,31 @@ def load(state: TrainState, path: str | os.PathLike[str], *, donate: bool = True
     `state` provides the structure (module, optimizer transform, mesh), which may differ from
     the mesh the checkpoint was saved on. With ``donate=True`` its buffers are overwritten in
     place and it is consumed; ``donate=False`` (an unplaced state on one process only) fills a
-    copy. On several ranks every rank must call it. Raises ``ValueError`` for an incomplete or
-    incompatible checkpoint (missing manifest, another backend's state, other trainable
-    parameters, another optimizer's state).
+    copy. On several ranks every rank must call it. Everything the load reads is checked
+    first (names, shapes, dtypes, finiteness, truncated files): a refused load writes nothing
+    and leaves `state` usable and bit-identical. Raises ``ValueError`` naming the tensor, the
+    expected and found shape or dtype, and the file, for an incomplete or incompatible
+    checkpoint (missing manifest, another backend's state, another model's tensors, other
+    trainable parameters, another optimizer's state, NaN or infinity).
     """
+    state.check_alive()
     path = current(path)
     manifest = _manifest(path)
     _check_backend(state, manifest, path)
-    if donate:
-        new = state.replace()
-        state.donate("checkpoint.load")
-    elif state.model.placement is not None:
+    if not donate and state.model.placement is not None:
         raise ValueError(
             "load(donate=False) copies the state, which a sharded or megatron model cannot do"
         )
-    else:
-        new = state.copy()
-    return backends.get(new.model.backend).load(new, path, manifest)
+    _check_family(state, path)
+    backend = backends.get(state.model.backend)
+    specs, aliases = backend.hf_specs(state)
+    where = f"checkpoint {path}"
+    check_specs(safetensors_specs(path), specs, where=where, optional=aliases)
+    target = state.replace() if donate else state.copy()
+    new = backend.load(target, path, manifest)
+    if donate:  # only now: a refused load leaves `state` usable
+        state.donate("checkpoint.load")
+    return new
 
 
 def load_weights(
@@ -203,14 +212,27 @@ def load_weights(
     rename: Callable[[str], str] | None = None,
 ) -> None:
     """Copy the HF weights (``*.safetensors``) of the directory `path` into `state`'s trainable
-    parameters, in place: any HF checkpoint of the same model, or an adapter file with `rename`
-    mapping its keys to parameter names. Optimizer state and step are left as they are. On
-    several ranks every rank must call it. Raises `DonatedError` for a donated state,
-    ``ValueError`` for a directory without weights or lacking one of the state's parameters,
-    and for a tensor of another shape.
+    parameters, in place: any HF checkpoint of the same model (any floating dtype: a bfloat16
+    release loads into float32 weights), or an adapter file with `rename` mapping its keys to
+    parameter names. Optimizer state and step are left as they are. On several ranks every
+    rank must call it. Every tensor's name, shape and finiteness is checked before the first
+    parameter is written. Raises `DonatedError` for a donated state, ``ValueError`` naming the
+    tensor and file for a directory without weights, a truncated file, a tensor missing, extra
+    (another model or family), of another shape or non-floating dtype, or holding NaN or
+    infinity.
     """
     state.check_alive()
-    backends.get(state.model.backend).load_weights(state, current(path), rename)
+    path = current(path)
+    backend = backends.get(state.model.backend)
+    _check_family(state, path)
+    if rename is None:
+        specs, aliases = backend.hf_specs(state)
+    else:
+        specs, aliases = {n: TensorSpec.of(p) for n, p in state.params.items()}, frozenset()
+    check_specs(
+        safetensors_specs(path, rename), specs, where=str(path), optional=aliases, cast=True
+    )
+    backend.load_weights(state, path, rename)
 
 
 def read_weights(
@@ -236,6 +258,22 @@ def _check_backend(state: TrainState, manifest: dict[str, Any], path: Path) -> N
             f"checkpoint {path} holds a {saved!r} train state, which a {state.model.backend!r} "
             f"state cannot load; start from its HF weights instead: "
             f"tf.models.from_pretrained({str(path)!r}, backend={state.model.backend!r})"
+        )
+
+
+def _check_family(state: TrainState, path: Path) -> None:
+    """Refuse the HF weights at `path` when its ``config.json`` names another model family
+    than `state`'s (two families may share every tensor name and shape, e.g. llama and
+    mistral, and compute something else with them)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return
+    saved = json.loads(config.read_text()).get("model_type")
+    if saved is not None and saved != state.model.config.model_type:
+        raise ValueError(
+            f"{path} holds a {saved!r} model (config.json), this state a "
+            f"{state.model.config.model_type!r} one; load weights of the same family, or build "
+            f"the model from them: tf.models.from_pretrained({str(path)!r})"
         )
 
 

@@ -23,6 +23,7 @@ from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import Grads, TrainState
+from twinkle_fn.tensor_specs import TensorSpec
 
 
 class Backend(Protocol):
@@ -145,15 +146,26 @@ class Backend(Protocol):
         manifest records about the layout (JSON-able)."""
         ...
 
+    def hf_specs(self, state: TrainState) -> tuple[dict[str, TensorSpec], frozenset[str]]:
+        """What the HF files (safetensors) of a checkpoint of `state`'s model hold, as `save`
+        writes them: each tensor's name, whole shape and dtype; and the names a checkpoint may
+        hold or omit (tied aliases). The API checks a directory against it before a load
+        writes anything (`twinkle_fn.tensor_specs.check_specs`)."""
+        ...
+
     def load(self, state: TrainState, directory: Path, manifest: Mapping[str, Any]) -> TrainState:
-        """`state` (already taken) filled from the checkpoint in `directory`."""
+        """`state` filled from the checkpoint in `directory`, whose HF files were checked
+        against `hf_specs`. Everything is read and checked (the training state's tensors too:
+        names, shapes, dtypes, finiteness) before the first element of `state` is written: a
+        refused load leaves `state` as it was (the API donates it only once this returns)."""
         ...
 
     def load_weights(
         self, state: TrainState, directory: Path, rename: Callable[[str], str] | None
     ) -> None:
         """Copy the HF weights (safetensors) in `directory` into the state's parameters, in
-        place, each file key passed through `rename` first."""
+        place, each file key passed through `rename` first. Names and shapes were checked by
+        the API; what is read is checked finite before the first parameter is written."""
         ...
 
     # LoRA.

@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn import backends
 from twinkle_fn.models.families import family_of
+from twinkle_fn.tensor_specs import (
+    TensorSpec,
+    check_finite,
+    check_specs,
+    module_specs,
+    safetensors_specs,
+)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -103,17 +112,21 @@ def from_pretrained(
     ``ms://org/name`` (downloaded only when that hub is reachable). `precision`,
     `activation_checkpointing` and `options` are as in `from_hf_config`. A backend that reads its
     own slices of the files when the state is initialised (megatron) gets a skeleton on the meta
-    device and the directory, and nothing is loaded here. Raises ``ValueError`` when the directory has no
-    ``config.json``, the family is unknown, or a hub id cannot be fetched.
+    device and the directory, and nothing is loaded here (it checks the values it reads). The
+    safetensors files are checked first (`check_weights_dir`). Raises ``ValueError`` when the
+    directory has no ``config.json``, the family is unknown, a hub id cannot be fetched, or a
+    tensor is missing, extra, of another shape, not floating, holding NaN or infinity, or in a
+    truncated file (naming the tensor and the file).
     """
     path = resolve_model_dir(model_id)
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
     backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    found = check_weights_dir(skeleton, path)
     if backends.get(backend).reads_own_weights:
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return _model(
             skeleton,
             family,
@@ -125,7 +138,31 @@ def from_pretrained(
             path,
         )
     module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if found:
+        check_finite(module.state_dict(), where=f"model {path}", files=found)
     return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)
+
+
+def check_weights_dir(skeleton: torch.nn.Module, path: Path) -> dict[str, TensorSpec]:
+    """Check the safetensors files of the model directory `path` against `skeleton` (the HF
+    module its config builds, on the meta device): every tensor present (tied aliases and the
+    keys the model class itself ignores aside), none extra, each of its shape and of a
+    floating dtype, no file truncated. Returns the files' specs by name (empty for a directory
+    without safetensors, which transformers reads its own way).
+
+    Raises ``ValueError`` naming the tensor, both shapes or dtypes, and the file: transformers
+    would initialise a missing tensor at random and drop an extra one with only a log line.
+    """
+    if not any(path.glob("*.safetensors")):
+        return {}
+    found = safetensors_specs(path)
+    specs, aliases = module_specs(skeleton)
+    meta = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
+    expected = {n: TensorSpec.of(t) for n, t in revert_weight_conversion(skeleton, meta).items()}
+    ignored = [re.compile(p) for p in skeleton._keys_to_ignore_on_load_unexpected or ()]
+    optional = set(aliases) | {n for n in found if any(p.search(n) for p in ignored)}
+    check_specs(found, expected, where=f"model {path}", optional=optional, cast=True)
+    return found
 
 
 def _model(

@@ -69,3 +69,44 @@ def test_modelscope_ids_need_modelscope(monkeypatch):
     monkeypatch.setitem(sys.modules, "modelscope", None)
     with pytest.raises(ValueError, match="needs the `modelscope` package"):
         resolve_model_dir("ms://org/name")
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _edit(tensors, what):
+    if what == "missing":
+        del tensors["model.norm.weight"]
+    elif what == "extra":
+        tensors["model.layers.9.mlp.up_proj.weight"] = tensors[Q].clone()
+    elif what == "shape":
+        tensors[Q] = torch.zeros(48, 32)
+    elif what == "nan":
+        tensors[Q][1, 2] = float("nan")
+    return tensors
+
+
+DAMAGES = {
+    "missing": r"lacks 1 tensors the model has, e.g. \['model.norm.weight'\]",
+    "extra": r"holds 1 tensors the model lacks, e.g. \['model.layers.9.mlp.up_proj.weight'\]",
+    "shape": rf"tensor '{Q}' has shape \(48, 32\) in .*model.safetensors, the model expects "
+    r"\(32, 32\)",
+    "nan": rf"tensor '{Q}' in .*model.safetensors holds NaN or infinity",
+    "truncated": r"model.safetensors: tensor .* the file is truncated",
+}
+
+
+@pytest.mark.parametrize("what", list(DAMAGES))
+def test_from_pretrained_refuses_a_damaged_directory_naming_tensor_and_file(tmp_path, what):
+    """transformers itself would initialise a missing tensor at random and drop an extra one,
+    with only a log line, and load NaN bytes as they are."""
+    from safetensors.torch import load_file, save_file
+
+    from_hf_config(tiny_config(), seed=0, device="cpu").module.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    if what == "truncated":
+        file.write_bytes(file.read_bytes()[:-64])
+    else:
+        save_file(_edit(load_file(file), what), file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=DAMAGES[what]):
+        from_pretrained(tmp_path, device="cpu")

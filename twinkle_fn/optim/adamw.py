@@ -124,7 +124,10 @@ def adamw(
         advance_counter(state.count, state.lr, step_lr)
         return updates, AdamWState(state.count, state.lr, state.mu, state.nu)
 
-    return GradientTransformation(init, update)
+    def next_lr(state: AdamWState) -> float:
+        return lr_at(lr, state.count)
+
+    return GradientTransformation(init, update, next_lr)
 
 
 class _Step(NamedTuple):

@@ -32,10 +32,14 @@ Schedule = Callable[[int], float]
 
 class GradientTransformation(NamedTuple):
     """An optimizer as two functions: ``init(params) -> state`` and
-    ``update(updates, state, params) -> (updates, state)`` (both arguments donated)."""
+    ``update(updates, state, params) -> (updates, state)`` (both arguments donated), and
+    optionally ``next_lr(state)``: the learning rate the next ``update`` will use (a float, read
+    from CPU counters: no device sync), raising ``ValueError`` when a schedule gives a bad value,
+    so that a caller can refuse an update before it donates anything (None: no learning rate)."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Updates, OptState, Params], tuple[Updates, OptState]]
+    next_lr: Callable[[OptState], float | None] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -72,7 +76,12 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    def next_lr(state: tuple[OptState, ...]) -> float | None:
+        # every scheduled member is evaluated: any of them may refuse the next update
+        lrs = [tx.next_lr(s) for tx, s in zip(txs, state, strict=True) if tx.next_lr is not None]
+        return lrs[0] if lrs else None
+
+    return GradientTransformation(init, update, next_lr)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

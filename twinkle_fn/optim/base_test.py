@@ -114,6 +114,17 @@ def test_current_lr_reports_the_last_updates_lr():
     assert current_lr(chain(clip_by_global_norm(1.0)).init(params)) is None
 
 
+def test_next_lr_previews_the_coming_update_and_refuses_a_bad_schedule():
+    params = {"w": torch.ones(3)}
+    tx = chain(clip_by_global_norm(1.0), sgd(lambda count: [0.5, math.nan][count]))
+    state = tx.init(params)
+    assert tx.next_lr(state) == 0.5
+    _, state = tx.update({"w": torch.ones(3)}, state, params)
+    with pytest.raises(ValueError, match="bad value at step 1: lr must be finite"):
+        tx.next_lr(state)
+    assert chain(clip_by_global_norm(1.0)).next_lr((EmptyState(),)) is None
+
+
 def test_foreach_groups_splits_by_dtype_in_order():
     ts = [
         torch.ones(1),

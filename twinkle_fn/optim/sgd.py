@@ -98,4 +98,7 @@ def sgd(
         advance_counter(state.count, state.lr, step_lr)
         return updates, SGDState(state.count, state.lr, state.momentum)
 
-    return GradientTransformation(init, update)
+    def next_lr(state: SGDState) -> float:
+        return lr_at(lr, state.count)
+
+    return GradientTransformation(init, update, next_lr)

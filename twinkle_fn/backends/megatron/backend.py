@@ -89,6 +89,7 @@ from twinkle_fn.models.model import Model
 from twinkle_fn.optim import apply_updates, current_lr
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState, next_key
+from twinkle_fn.tensor_specs import TensorSpec
 
 __all__ = [
     "PLACEMENT_ATTR",
@@ -316,6 +317,10 @@ class MegatronBackend:
         """See `twinkle_fn.backends.megatron.dist_checkpoint.save`."""
         dist_checkpoint.save(state, directory)
         return {"sharded": True}
+
+    def hf_specs(self, state: TrainState) -> tuple[dict[str, TensorSpec], frozenset[str]]:
+        """See `twinkle_fn.backends.megatron.dist_checkpoint.hf_specs`."""
+        return dist_checkpoint.hf_specs(state)
 
     def load(self, state: TrainState, directory: Path, manifest: Mapping[str, Any]) -> TrainState:
         """See `twinkle_fn.backends.megatron.dist_checkpoint.load`."""

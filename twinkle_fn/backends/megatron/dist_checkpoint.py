@@ -47,7 +47,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
@@ -62,9 +62,17 @@ from twinkle_fn.backends.megatron.placement import (
     model_placement,
 )
 from twinkle_fn.backends.megatron.safetensors_io import save_hf
+from twinkle_fn.backends.megatron.sharding import checkpoint_names
 from twinkle_fn.backends.megatron.weights import full_weights, settle
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.state import TrainState
+from twinkle_fn.tensor_specs import (
+    TensorSpec,
+    check_finite,
+    check_specs,
+    dcp_specs,
+    module_specs,
+)
 
 DIST_DIR = "megatron"
 FORMAT = 1
@@ -135,12 +143,19 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
     same_mesh = Mesh(**meta["mesh"]) == placement.mesh
     model = placement.module.sharded_state_dict()
     sharded: dict[str, Any] = {
-        "model": model,
+        # read into fresh tensors: the model's own are written only once all is checked
+        "model": _scratch(model),
         "optimizer": {"params": _optimizer_params(placement, opt, model, fill=False)},
     }
+    _check_metadata(sharded, target)
     if same_mesh:
         sharded[_RNG_KEY] = _rng_object(None)
     loaded = dist_checkpointing.load(sharded, str(target), TorchDistLoadShardedStrategy())
+    device = next(placement.module.parameters()).device
+    tensors = dict(_tensors(loaded["model"]))
+    tensors.update(_tensors(loaded["optimizer"]["params"], "optimizer."))
+    check_finite(tensors, where=f"checkpoint {directory}", device=device)
+    # Everything is read and checked: from here on nothing refuses.
     placement.module.load_state_dict(loaded["model"])
     _load_optimizer(placement, opt, loaded["optimizer"])
     if same_mesh:
@@ -153,6 +168,64 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
         step=torch.tensor(meta["step"], dtype=torch.int64),
         rng=torch.tensor(meta["rng"], dtype=torch.int64),
     )
+
+
+def hf_specs(state: TrainState) -> tuple[dict[str, TensorSpec], frozenset[str]]:
+    """What `save` writes to the HF files of `state`: HF checkpoint names (MoE experts one per
+    expert) with whole shapes, in the megatron parameters' dtype, and the tied aliases a
+    checkpoint may hold or omit. Raises ``ValueError`` for a model training LoRA adapters
+    (neither saved nor loaded as HF files on this backend)."""
+    placement = model_placement(state.model)
+    if placement.lora is not None:
+        raise ValueError(
+            "megatron states that train LoRA adapters load no HF checkpoint; save and load "
+            "the adapter with twinkle_fn.backends.megatron.lora.save_adapter(state, path)"
+        )
+    specs, aliases = module_specs(state.model.module)
+    meta = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
+    dtype = next(placement.module.parameters()).dtype
+    on_disk = checkpoint_names(state.model, meta)
+    return {n: TensorSpec(tuple(t.shape), dtype) for n, t in on_disk.items()}, aliases
+
+
+def _scratch(model: dict[str, Any]) -> dict[str, Any]:
+    """`model` (a sharded state dict) with every tensor's data replaced by a fresh one."""
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: fresh(v) for k, v in value.items()}
+        if isinstance(value, ShardedTensor | ShardedTensorFactory):
+            return dataclasses.replace(value, data=torch.empty_like(value.data))
+        return value
+
+    return fresh(model)
+
+
+def _check_metadata(sharded: dict[str, Any], target: Path) -> None:
+    """Refuse a checkpoint whose tensors lack, or differ in whole shape or dtype from, the
+    sharded tensors a load of `sharded` reads (factories, built only at load, and tensors whose
+    padded vocabulary rows may differ between meshes are checked by name alone)."""
+    tensors, _ = extract_sharded_tensors_and_factories(sharded)
+    found = dcp_specs(target)
+    expected: dict[str, TensorSpec] = {}
+    for sh in nested_values(tensors):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        spec = TensorSpec(tuple(sh.global_shape), sh.dtype)
+        if sh.allow_shape_mismatch and sh.key in found:
+            spec = TensorSpec(found[sh.key].shape, sh.dtype)
+        expected[sh.key] = spec
+    wanted = {k: v for k, v in found.items() if k in expected}
+    check_specs(wanted, expected, where=f"checkpoint {target}")
+
+
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """``(dotted key, tensor)`` of every tensor in the nested dict `tree`."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(tree, Tensor):
+        yield prefix.rstrip("."), tree
 
 
 def load_weights(state: TrainState, directory: str | Path) -> None:

@@ -132,7 +132,10 @@ def megatron_optimizer(
             "with backend='megatron' and call tf.step(state, grads)"
         )
 
-    return GradientTransformation(init, update)
+    def next_lr(state: MegatronOptState) -> float:
+        return lr_at(lr, state.count)
+
+    return GradientTransformation(init, update, next_lr)
 
 
 def _placement_of(params: Mapping[str, Tensor]) -> MegatronPlacement:

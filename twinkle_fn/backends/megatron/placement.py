@@ -33,6 +33,7 @@ from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
 from twinkle_fn.backends.megatron.sharding import checkpoint_names, local_weights, vocab_multiple
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
+from twinkle_fn.tensor_specs import check_finite
 
 PLACEMENT_ATTR = "twinkle_placement"  # a weakref set on every parameter by `prepare`
 _OWN_OPTIONS = (
@@ -246,21 +247,33 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
 def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
     """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
     the model has a ``weights_dir``, else from its module, in HF checkpoint names), cut by
-    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes."""
+    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes.
+
+    Every slice is read and checked (names, shapes, finiteness, agreed over the ranks) before
+    the first one is written. Raises ``RuntimeError`` when the slices do not fit `gpt` and
+    ``ValueError`` naming the tensor holding NaN or infinity.
+    """
     rank = dist.get_rank()
+    source = "the model's module"
     if model.weights_dir is not None:
+        source = f"the HF checkpoint {model.weights_dir}"
         with SafetensorsReader(model.weights_dir) as reader:
             local = local_weights(reader, model.config, mesh, rank, vocab_multiple)
     else:
         state = checkpoint_names(model, model.module.state_dict())
         local = local_weights(state, model.config, mesh, rank, vocab_multiple)
-    missing, unexpected = gpt.load_state_dict(local, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
-    if missing or unexpected:
+    own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("._extra_state")}
+    missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
+    misshapen = [k for k in own.keys() & local.keys() if own[k].shape != local[k].shape]
+    if missing or unexpected or misshapen:
         raise RuntimeError(
-            f"the HF weights do not fit the megatron model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
+            f"the HF weights of {source} do not fit the megatron model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, other shapes "
+            f"{[(k, tuple(local[k].shape), tuple(own[k].shape)) for k in misshapen[:3]]}"
         )
+    device = next(iter(own.values())).device
+    check_finite(local, where=f"{source} (megatron slices)", device=device)
+    gpt.load_state_dict(local, strict=False)
 
 
 def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module, opts: _Options) -> DistributedDataParallel:

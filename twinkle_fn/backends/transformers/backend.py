@@ -35,6 +35,7 @@ from twinkle_fn.optim import (
 from twinkle_fn.optim.base import foreach_mul_
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState, next_key
+from twinkle_fn.tensor_specs import TensorSpec
 
 
 class TransformersBackend:
@@ -192,6 +193,10 @@ class TransformersBackend:
     def save(self, state: TrainState, directory: Path) -> dict[str, Any]:
         """See `twinkle_fn.backends.transformers.checkpoint.save`."""
         return checkpoint.save(state, directory)
+
+    def hf_specs(self, state: TrainState) -> tuple[dict[str, TensorSpec], frozenset[str]]:
+        """See `twinkle_fn.backends.transformers.checkpoint.hf_specs`."""
+        return checkpoint.hf_specs(state)
 
     def load(self, state: TrainState, directory: Path, manifest: Mapping[str, Any]) -> TrainState:
         """See `twinkle_fn.backends.transformers.checkpoint.load`."""
