@@ -1,6 +1,7 @@
 """A critic on the transformers backend: per-token values and the clipped value loss against the
-float64 HF model (value and gradient, padded and packed), and the refusals that come before any
-compute."""
+float64 HF model (value and gradient, padded and packed), fsdp2 on 2 ranks against one process
+(the tolerances of `fsdp_test`), a save/load round trip through `tf.checkpoint`, and the
+refusals that come before any compute."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import twinkle_fn as tf
 from twinkle_fn import backends
 from twinkle_fn.data import pack, pad_collate
+from twinkle_fn.distributed import rank
 from twinkle_fn.testing import (
     random_features,
     tiny_config,
@@ -15,6 +17,7 @@ from twinkle_fn.testing import (
     with_advantages,
     with_value_fields,
 )
+from twinkle_fn.testing_dist import spawn
 
 LOSS = tf.losses.value_loss(0.2)
 
@@ -64,6 +67,48 @@ def test_token_values_are_the_score_heads_outputs_at_supervised_tokens():
     assert int(out["num_tokens"]) == int((padded["labels"] != -100).sum())
     packed = tf.token_values(state, pack(feats))["values"]  # [1, T]
     torch.testing.assert_close(packed[packed != 0], want[want != 0], rtol=1e-12, atol=1e-12)
+
+
+def _train(mesh_sizes):
+    """Two steps of 8 samples (each rank its slice); losses and final params."""
+    mesh = tf.Mesh(**mesh_sizes)
+    state = _state(mesh)
+    losses = []
+    for i in range(2):
+        feats = with_value_fields(random_features(8, seed=300 + i), seed=i)
+        mine = feats[mesh.get_slice(len(feats), rank())] if mesh.world_size > 1 else feats
+        grads, _ = tf.fwd_bwd(state, pack(mine), loss=LOSS)
+        state, info = tf.step(state, grads)
+        losses.append(float(info["loss"]))
+    return losses, tf.unshard(state)
+
+
+def test_the_critic_on_fsdp2_matches_one_process():
+    """float64: losses to 1e-11, parameters after 2 AdamW steps to 1e-9 (as `fsdp_test`)."""
+    ref_losses, ref_params = _train({})
+    assert "score.weight" in ref_params
+    for losses, params in spawn(_train, 2, {"fsdp": 2}):
+        assert losses == pytest.approx(ref_losses, rel=1e-11)
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)
+
+
+def test_save_load_of_a_critic_round_trips_the_head(tmp_path):
+    """Trained, saved, loaded into a critic of other weights: every parameter (the score head
+    included) and the next step are bit-identical; the directory loads as a value model."""
+    batch = pack(with_value_fields(random_features(4, seed=5), seed=5))
+    state = _state()
+    state, _ = tf.step(state, tf.fwd_bwd(state, batch, loss=LOSS)[0])
+    tf.checkpoint.save(state, tmp_path / "critic")
+    loaded = tf.checkpoint.load(_state(seed=1), tmp_path / "critic")
+    for name, p in state.params.items():
+        assert torch.equal(loaded.params[name], p), name
+    hf = tf.models.from_pretrained(tmp_path / "critic", device="cpu", head="value").module
+    assert torch.equal(hf.score.weight, state.params["score.weight"].float())
+    after, _ = tf.step(state, tf.fwd_bwd(state, batch, loss=LOSS)[0])
+    again, _ = tf.step(loaded, tf.fwd_bwd(loaded, batch, loss=LOSS)[0])
+    for name, p in after.params.items():
+        assert torch.equal(again.params[name], p), name
 
 
 def test_what_a_head_cannot_feed_is_refused_before_any_compute(monkeypatch):
