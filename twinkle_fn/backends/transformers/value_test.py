@@ -1,7 +1,7 @@
 """A critic on the transformers backend: per-token values and the clipped value loss against the
-float64 HF model (value and gradient, padded and packed), fsdp2 on 2 ranks against one process
-(the tolerances of `fsdp_test`), a save/load round trip through `tf.checkpoint`, and the
-refusals that come before any compute."""
+float64 HF model (value and gradient, padded and packed); fsdp2, and tp2 with sequence
+parallelism, on 2 ranks against one process (the tolerances of `fsdp_test`); a save/load round
+trip through `tf.checkpoint`; and the refusals that come before any compute."""
 
 import pytest
 import torch
@@ -83,14 +83,24 @@ def _train(mesh_sizes):
     return losses, tf.unshard(state)
 
 
-def test_the_critic_on_fsdp2_matches_one_process():
-    """float64: losses to 1e-11, parameters after 2 AdamW steps to 1e-9 (as `fsdp_test`)."""
+MESHES = ({"fsdp": 2}, {"tp": 2, "sequence_parallel": True})
+
+
+def _train_meshes():
+    """`_train` on each of `MESHES`, one after the other in the same two processes."""
+    return [_train(sizes) for sizes in MESHES]
+
+
+def test_the_critic_on_fsdp2_and_tp2_with_sequence_parallelism_matches_one_process():
+    """float64: losses to 1e-11, parameters after 2 AdamW steps to 1e-9 (as `fsdp_test`). Under
+    tp the score head is replicated and gathers the whole sequence, as the lm_head does."""
     ref_losses, ref_params = _train({})
     assert "score.weight" in ref_params
-    for losses, params in spawn(_train, 2, {"fsdp": 2}):
-        assert losses == pytest.approx(ref_losses, rel=1e-11)
-        for n, p in params.items():
-            torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)
+    for per_mesh in spawn(_train_meshes, 2):
+        for sizes, (losses, params) in zip(MESHES, per_mesh, strict=True):
+            assert losses == pytest.approx(ref_losses, rel=1e-11), sizes
+            for n, p in params.items():
+                torch.testing.assert_close(p, ref_params[n], rtol=1e-9, atol=1e-11, msg=n)
 
 
 def test_save_load_of_a_critic_round_trips_the_head(tmp_path):
@@ -139,3 +149,5 @@ def test_what_a_head_cannot_feed_is_refused_before_any_compute(monkeypatch):
         tf.evaluate(critic, pack(feats))
     with pytest.raises(ValueError, match=r"tf.token_values needs a value model.*head='value'"):
         tf.token_values(actor, pack(feats))
+    with pytest.raises(ValueError, match=r"add_lora on a value model would freeze its .*score"):
+        tf.lora.add_lora(_model(), {"r": 4, "target_modules": "all-linear"})
