@@ -251,10 +251,10 @@ def token_values(state: TrainState, batch: Mapping[str, torch.Tensor]) -> dict[s
     """A value model's per-token value estimates of `batch`, without gradients (a rollout's
     ``old_values``).
 
-    Returns ``values`` (float32, in `batch`'s layout: ``[B, T]`` padded, ``[1, T]`` packed; the
-    value of the state in which each label is chosen, 0 where the label is -100) and
-    ``num_tokens``. On several ranks a collective over the model's ranks. Raises
-    `DonatedError` for a donated state, ``ValueError`` for a model without a value head.
+    Returns ``values`` (float32, float64 for a float64 model; in `batch`'s layout: ``[B, T]``
+    padded, ``[1, T]`` packed; the value of the state in which each label is chosen, 0 where
+    the label is -100) and ``num_tokens``. On several ranks a collective over the model's ranks.
+    Raises `DonatedError` for a donated state, ``ValueError`` for a model without a value head.
     """
     state.check_alive()
     if state.model.head != "value":

@@ -101,8 +101,8 @@ class Backend(Protocol):
         self, state: TrainState, batch: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """A value model's per-token values of `batch` without gradients: ``values``
-        (``[B, T]`` float32 in `batch`'s layout, 0 where the label is -100) and
-        ``num_tokens``."""
+        (``[B, T]`` float32, float64 for a float64 model, in `batch`'s layout, 0 where the
+        label is -100) and ``num_tokens``."""
         ...
 
     def optimizer(self, lr: Any, **hyper: Any) -> Any:
