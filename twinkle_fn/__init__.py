@@ -22,6 +22,7 @@ from twinkle_fn.api import (
     shard,
     step,
     token_logps,
+    token_values,
     unshard,
 )
 from twinkle_fn.export import export_weights
@@ -57,5 +58,6 @@ __all__ = [
     "shard",
     "step",
     "token_logps",
+    "token_values",
     "unshard",
 ]

@@ -16,7 +16,14 @@ import torch.distributed as dist
 from twinkle_fn import backends, lora
 from twinkle_fn.batch_check import check_batch
 from twinkle_fn.distributed import gather_tensors, rank, world_size
-from twinkle_fn.losses import LossOutput, SequenceLoss, TokenLoss, check_loss, is_sequence_loss
+from twinkle_fn.losses import (
+    LossOutput,
+    SequenceLoss,
+    TokenLoss,
+    check_head,
+    check_loss,
+    is_sequence_loss,
+)
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
 from twinkle_fn.optim import GradientTransformation, current_lr
@@ -164,12 +171,13 @@ def fwd_bwd(
     (`twinkle_fn.losses.preference`). Returns ``(grads, aux)``, aux holding this micro-batch's
     ``loss_sum`` and ``num_tokens`` (the loss's count: pairs for a preference loss). A module
     holding several LoRA adapters computes with the state's own (`twinkle_fn.lora.use_adapter`).
-    Raises `DonatedError` for a donated state or accum; ``TypeError`` / ``ValueError`` (before
-    any compute) for a batch `twinkle_fn.batch_check.check_batch` refuses (missing labels, float
-    ids, ids outside the vocabulary, sequences longer than the position table, on one process a
-    batch without a supervised token), and for a `loss` that is neither, needs what no backend
-    gives (``values``), reads a field `batch` lacks, or refuses the batch (see
-    `twinkle_fn.losses.check_loss`).
+    A value model (``head="value"``, a critic) trains a loss that needs ``values`` (e.g.
+    ``tf.losses.value_loss``). Raises `DonatedError` for a donated state or accum;
+    ``TypeError`` / ``ValueError`` (before any compute) for a batch
+    `twinkle_fn.batch_check.check_batch` refuses (missing labels, float ids, ids outside the
+    vocabulary, sequences longer than the position table, on one process a batch without a
+    supervised token), and for a `loss` that is neither, does not fit the model's head, reads
+    a field `batch` lacks, or refuses the batch (see `twinkle_fn.losses.check_loss`).
     """
     state.check_alive()
     check_batch(
@@ -179,8 +187,10 @@ def fwd_bwd(
         supervised=True,
         single_process=world_size() == 1,
     )
-    if loss is not None:
-        check_loss(loss, batch)
+    if loss is None:
+        check_head(None, state.model.head)
+    else:
+        check_loss(loss, batch, head=state.model.head)
     if accum is not None:
         accum.check_alive()
     if is_sequence_loss(loss):
@@ -196,10 +206,11 @@ def evaluate(state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput
     """The token-summed loss and token count of `batch` under `state`, without gradients.
 
     Dropout and other train-mode behaviour follow the module's mode. Raises `DonatedError` for
-    a donated state, ``TypeError`` / ``ValueError`` (before any compute) for a batch
-    `twinkle_fn.batch_check.check_batch` refuses.
+    a donated state, ``ValueError`` for a value model (it has no cross entropy), ``TypeError`` /
+    ``ValueError`` (before any compute) for a batch `twinkle_fn.batch_check.check_batch` refuses.
     """
     state.check_alive()
+    check_head(None, state.model.head)
     check_batch(batch, state.model.config, where="tf.evaluate")
     lora.use_adapter(state)
     backend = backends.get(state.model.backend)
@@ -226,10 +237,16 @@ def token_logps(
     `disable_lora` computes with the base weights alone (a reference model's log-probs). On
     several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
     state, ``ValueError`` for a `temperature` that is not positive, ``TypeError`` /
-    ``ValueError`` for a batch `twinkle_fn.batch_check.check_batch` refuses, and for what the backend
-    does not offer (the megatron backend: a temperature other than 1, logits, disabled LoRA).
+    ``ValueError`` for a batch `twinkle_fn.batch_check.check_batch` refuses, for what the
+    backend does not offer (the megatron backend: a temperature other than 1, logits, disabled
+    LoRA) and for a value model (read it with `token_values`).
     """
     state.check_alive()
+    if state.model.head == "value":
+        raise ValueError(
+            "tf.token_logps: this is a value model (head='value'), it has no log-probabilities; "
+            "read its per-token values with tf.token_values(state, batch)"
+        )
     if not (isinstance(temperature, int | float) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     check_batch(batch, state.model.config, where="tf.token_logps")
@@ -241,6 +258,26 @@ def token_logps(
         disable_lora=disable_lora,
         return_logits=return_logits,
     )
+
+
+@torch.no_grad()
+def token_values(state: TrainState, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A value model's per-token value estimates of `batch`, without gradients (a rollout's
+    ``old_values``).
+
+    Returns ``values`` (float32, float64 for a float64 model; in `batch`'s layout: ``[B, T]``
+    padded, ``[1, T]`` packed; the value of the state in which each label is chosen, 0 where
+    the label is -100) and ``num_tokens``. On several ranks a collective over the model's ranks.
+    Raises `DonatedError` for a donated state, ``ValueError`` for a model without a value head.
+    """
+    state.check_alive()
+    if state.model.head != "value":
+        raise ValueError(
+            f"tf.token_values needs a value model, this one has head={state.model.head!r}; "
+            "build the critic with tf.models.from_pretrained(dir, head='value')"
+        )
+    lora.use_adapter(state)
+    return backends.get(state.model.backend).token_values(state, batch)
 
 
 def grad_norm(state: TrainState, grads: Grads) -> torch.Tensor:

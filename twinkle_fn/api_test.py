@@ -272,7 +272,7 @@ def test_a_loss_that_cannot_run_is_refused_before_compute(monkeypatch):
     critic = tf.losses.token_loss(lambda inputs: None, needs=["values"])
     for loss, error, match in (
         (tf.losses.policy_gradient(), ValueError, "reads batch field 'advantages'"),
-        (critic, ValueError, "no model has a value head"),
+        (critic, ValueError, "this model has no value head"),
         (lambda inputs: None, TypeError, "must be a TokenLoss"),
         (tf.losses.simpo_loss(), ValueError, "3 packed samples, an odd number"),
     ):

@@ -187,6 +187,15 @@ def _reference_forward(
     """A plain forward of `module` on `features` right-padded: the log-softmax ``[B, T, V]``
     (module's dtype), labels ``[B, T]`` (-100 on padding) and the fields `names` ``[B, T]``
     float64 (a per-sample number repeated over the sample's tokens, 0 on padding)."""
+    logits, labels, fields = _plain_forward(module, features, names)  # [B, T, V]
+    return torch.log_softmax(logits, dim=-1), labels, fields
+
+
+def _plain_forward(
+    module: torch.nn.Module, features: list[dict[str, Any]], names: Any
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`module`'s output ``logits`` on `features` right-padded, with labels and fields as
+    `_reference_forward` returns them."""
     width = max(len(f["input_ids"]) for f in features)
     ids, labels, mask, positions = (
         torch.zeros(len(features), width, dtype=torch.int64) for _ in range(4)
@@ -202,7 +211,51 @@ def _reference_forward(
     logits = module(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False
     ).logits  # [B, T, V]
-    return torch.log_softmax(logits, dim=-1), labels, fields
+    return logits, labels, fields
+
+
+def value_reference(
+    module: torch.nn.Module, features: list[dict[str, Any]], clip: float | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`twinkle_fn.losses.value_loss`'s loss sum over `features` (with ``returns`` and
+    ``old_values``) for a value model `module` (``[hidden] -> 1`` head), written out piecewise
+    (clipped branch or not), and its gradients by parameter name, over a plain forward on the
+    right-padded batch in the module's dtype (float64 for a reference)."""
+    scores, labels, fields = _plain_forward(module, features, ("returns", "old_values"))
+    return _with_grads(module, value_reference_sum(scores[..., 0], labels, fields, clip))
+
+
+def value_reference_sum(
+    values: torch.Tensor, labels: torch.Tensor, fields: dict[str, torch.Tensor], clip: float | None
+) -> torch.Tensor:
+    """The clipped value loss of `values` ``[B, T]`` summed over the tokens whose label is not
+    -100, branch by branch: the clipped error counts only where the value left
+    ``old_values +- clip`` and the clipped error is the larger."""
+    returns = fields["returns"].to(values.dtype)
+    error = (values - returns) ** 2
+    if clip is not None:
+        old = fields["old_values"].to(values.dtype)
+        low, high = old - clip, old + clip
+        bound = torch.where(values > high, high, low)
+        outside = (values > high) | (values < low)
+        clipped_error = (bound - returns) ** 2
+        error = torch.where(outside & (clipped_error > error), clipped_error, error)
+    return 0.5 * torch.where(labels != -100, error, 0.0).sum()
+
+
+def with_value_fields(features: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """`features` (not modified) with per-token ``returns`` in ``[-1, 1)`` and ``old_values``
+    within 0.375 of a tiny random critic's values (about 0 +- 0.3), so that a clip of 0.2 binds on
+    some tokens only. Multiples of 1/1024: exact in float32 (collation's dtype)."""
+    rng = random.Random(seed)
+    return [
+        {
+            **f,
+            "returns": [rng.randrange(-1024, 1024) / 1024 for _ in f["input_ids"]],
+            "old_values": [rng.randrange(-384, 384) / 1024 for _ in f["input_ids"]],
+        }
+        for f in features
+    ]
 
 
 def _with_grads(

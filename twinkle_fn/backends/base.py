@@ -38,6 +38,11 @@ class Backend(Protocol):
     """Whether `grad_norm` measures the gradients before `update` (megatron's optimizer measures
     them only inside its update, so `tf.step`'s divergence guard checks the loss alone there)."""
 
+    heads: tuple[str, ...]
+    """The `twinkle_fn.models.model.HEADS` this backend builds (``"value"``: a critic, whose
+    module gives one value per token; `fwd_bwd` then hands a loss ``values`` instead of
+    ``logps``)."""
+
     def module_device(self) -> torch.device:
         """Where a freshly built HF module lives unless the caller says otherwise."""
         ...
@@ -74,8 +79,9 @@ class Backend(Protocol):
         """Gradients of the token-summed loss, added into `accum` (already taken) if given.
 
         `loss` None is the default cross entropy (the backend's fused kernel); a `TokenLoss`
-        (already checked against `batch` by `twinkle_fn.losses.check_loss`) runs on the
-        per-token log-probabilities, and the entropy when it needs it, in float32."""
+        (already checked against `batch` and the model's head by
+        `twinkle_fn.losses.check_loss`) runs on the per-token log-probabilities, and the
+        entropy when it needs it, in float32; on a value model, on the per-token values."""
         ...
 
     def token_logps(
@@ -90,6 +96,14 @@ class Backend(Protocol):
         """Per-token ``log p(label)`` of `batch` without gradients: ``logps`` (float32, in
         `batch`'s layout, 0 where the label is -100), ``loss_sum``, ``num_tokens`` and, when
         asked, ``logits``."""
+        ...
+
+    def token_values(
+        self, state: TrainState, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A value model's per-token values of `batch` without gradients: ``values``
+        (``[B, T]`` float32, float64 for a float64 model, in `batch`'s layout, 0 where the
+        label is -100) and ``num_tokens``."""
         ...
 
     def optimizer(self, lr: Any, **hyper: Any) -> Any:

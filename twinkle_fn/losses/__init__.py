@@ -20,12 +20,14 @@ from twinkle_fn.losses.token_loss import (
     SequenceLoss,
     TokenInputs,
     TokenLoss,
+    check_head,
     check_loss,
     is_sequence_loss,
     policy_gradient,
     token_entropy,
     token_loss,
 )
+from twinkle_fn.losses.value import ValueLoss, value_loss
 from twinkle_fn.losses.weighted_ce import WeightedCrossEntropy, weighted_cross_entropy
 
 __all__ = [
@@ -38,8 +40,10 @@ __all__ = [
     "TokenInputs",
     "TokenLoss",
     "TokenLossOutput",
+    "ValueLoss",
     "WeightedCrossEntropy",
     "aggregation_weights",
+    "check_head",
     "check_loss",
     "cross_entropy_sum",
     "dpo_loss",
@@ -54,5 +58,6 @@ __all__ = [
     "token_entropy",
     "token_logps",
     "token_loss",
+    "value_loss",
     "weighted_cross_entropy",
 ]

@@ -14,8 +14,10 @@ A loss is any callable ``loss(inputs: TokenInputs) -> LossOutput`` with two attr
   already-shifted labels; `twinkle_fn.data` collation builds them from per-token lists or
   per-sample numbers and carries them through packing and splitting.
 - ``needs``: the per-token terms beyond ``logps`` it needs, a subset of `TERMS`: ``"entropy"``
-  (of the softmax over the vocabulary) and ``"values"`` (reserved for a value head: asking for
-  them raises until models have one).
+  (of the softmax over the vocabulary) and ``"values"`` (the per-token outputs of a value head).
+  A model with a value head (``tf.models.from_pretrained(dir, head="value")``, a critic) gives
+  ``values`` and no log-probabilities: it trains exactly the losses that need ``"values"``
+  (and nothing else), and those train nothing else (`check_head`).
 
 What a loss sees. The backend may hand it any part of the batch (a micro-batch of rows or packed
 samples; under megatron's context parallelism each rank's two chunks of every sequence), with
@@ -61,11 +63,13 @@ class TokenInputs:
     -100 where not supervised (prompt, padding). ``fields``: the batch fields the loss declared,
     by name, each ``[B, T]`` (0 on padding). ``entropy``: ``[B, T]`` float32, differentiable,
     the entropy of the softmax over the vocabulary at each token, 0 where the label is -100;
-    set only when the loss needs it. ``values``: ``[B, T]`` float32 value estimates of a value
-    head; reserved (no model has one yet), always None today.
+    set only when the loss needs it. ``values``: ``[B, T]`` float32 (float64 for a float64
+    model), differentiable, a value head's estimate at each token (read from the hidden state
+    that predicts its label), 0 where the label is -100; set on a value model only, whose
+    ``logps`` are then None.
     """
 
-    logps: Tensor
+    logps: Tensor | None
     labels: Tensor
     fields: Mapping[str, Tensor] = field(default_factory=dict)
     entropy: Tensor | None = None
@@ -127,8 +131,8 @@ def token_loss(
     """`fn` as a `TokenLoss` that reads batch `fields` and needs the per-token terms `needs`.
 
     Raises ``TypeError`` for a `fn` that is not callable or names that are not strings,
-    ``ValueError`` for a term outside `TERMS`. (A loss that needs ``"values"`` is built, and
-    refused by `check_loss` when it is used.)
+    ``ValueError`` for a term outside `TERMS`. (A loss that needs ``"values"`` trains value
+    models only: `check_head`.)
     """
     if not callable(fn):
         raise TypeError(f"a loss is a callable of TokenInputs, got {fn!r}")
@@ -183,16 +187,16 @@ def is_sequence_loss(loss: Any) -> bool:
     return callable(getattr(loss, "linearise", None))
 
 
-def check_loss(loss: Any, batch: Mapping[str, Any]) -> None:
+def check_loss(loss: Any, batch: Mapping[str, Any], *, head: str = "lm") -> None:
     """Raise, before any compute, when `loss` is not a `TokenLoss` or sequence loss that
-    `batch` can feed.
+    `batch` and a model with `head` can feed.
 
-    `batch` is a padded or packed batch (``labels`` ``[B, T]``). Raises ``TypeError`` when
-    `loss` is neither (a callable with ``fields`` / ``needs`` of strings, or an object with
-    ``fields``, ``check`` and ``linearise``); ``ValueError`` when it needs a term outside
-    `TERMS` or ``"values"`` (no model has a value head yet), when a sequence loss's ``check``
-    refuses the batch, or when it reads a field the batch lacks or that is not a tensor shaped
-    like ``labels``.
+    `batch` is a padded or packed batch (``labels`` ``[B, T]``); `head` is the model's
+    (`twinkle_fn.models.model.HEADS`). Raises ``TypeError`` when `loss` is neither (a callable
+    with ``fields`` / ``needs`` of strings, or an object with ``fields``, ``check`` and
+    ``linearise``); ``ValueError`` when it needs a term outside `TERMS`, when `check_head`
+    refuses it for `head`, when a sequence loss's ``check`` refuses the batch, or when it reads
+    a field the batch lacks or that is not a tensor shaped like ``labels``.
     """
     sequence = is_sequence_loss(loss) and callable(getattr(loss, "check", None))
     token = callable(loss) and hasattr(loss, "needs")
@@ -204,11 +208,7 @@ def check_loss(loss: Any, batch: Mapping[str, Any]) -> None:
             f"{loss!r}"
         )
     _names(loss.fields, "fields")
-    if token and "values" in _known_needs(loss):
-        raise ValueError(
-            f"the loss {_describe(loss)} needs 'values' (per-token estimates of a value head), "
-            "but no model has a value head yet"
-        )
+    check_head(loss, head)
     labels = batch.get("labels")
     if not isinstance(labels, Tensor):
         raise ValueError("batch has no 'labels' tensor; build it with pad_collate or pack")
@@ -229,6 +229,31 @@ def check_loss(loss: Any, batch: Mapping[str, Any]) -> None:
                 f"batch field {name!r} must be a tensor shaped like labels "
                 f"{tuple(labels.shape)}, got {got}"
             )
+
+
+def check_head(loss: Any, head: str) -> None:
+    """Raise ``ValueError``, before any compute, when a model whose head is `head` cannot feed
+    `loss` (None: the default cross entropy).
+
+    A value model (`head` ``"value"``) gives per-token values only, so it takes a `TokenLoss`
+    that needs ``"values"`` and no other term; any other model gives log-probabilities (and
+    entropy), so it takes every loss but those. Raises also for a term outside `TERMS`.
+    """
+    token = loss is not None and not is_sequence_loss(loss)
+    needs = _known_needs(loss) if token else frozenset()
+    name = "the default cross entropy" if loss is None else f"the loss {_describe(loss)}"
+    if head == "value" and needs != {"values"}:
+        raise ValueError(
+            f"this model has a value head: it gives per-token values only (no log-probabilities "
+            f"or entropy), so {name} cannot train it; train a critic with a value loss "
+            "(loss=tf.losses.value_loss()), or build the model without head='value'"
+        )
+    if head != "value" and "values" in needs:
+        raise ValueError(
+            f"{name} needs 'values' (per-token estimates of a value head), but this model has "
+            "no value head; build the critic with tf.models.from_pretrained(dir, head='value') "
+            "(or from_hf_config(config, head='value'))"
+        )
 
 
 def apply_loss(loss: TokenLoss, inputs: TokenInputs) -> LossOutput:

@@ -156,14 +156,16 @@ def test_a_sequence_loss_is_checked_by_its_own_check_and_needs_one():
         check_loss(Refusing(), _batch())
 
 
-def test_values_are_reserved_and_unknown_terms_are_refused():
+def test_values_need_a_value_head_and_unknown_terms_are_refused():
     assert {"entropy", "values"} == TERMS
 
     def critic(inputs):
         raise AssertionError("a loss that needs values must never run")
 
-    wants_values = token_loss(critic, needs=["values"])  # built: refused when used
-    with pytest.raises(ValueError, match=r"needs 'values'.*no model has a value head"):
+    wants_values = token_loss(critic, needs=["values"])  # built: refused on an lm head
+    with pytest.raises(
+        ValueError, match=r"needs 'values'.*this model has no value head.*head='value'"
+    ):
         check_loss(wants_values, _batch())
     with pytest.raises(ValueError, match=r"needs \['logits'\], which no backend computes"):
         token_loss(critic, needs=["logits"])

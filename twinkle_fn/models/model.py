@@ -1,12 +1,14 @@
 """`Model`: the static description of what a train state computes with.
 
-A `Model` pairs a module skeleton (a transformers causal LM) with its family, the backend that runs
-it and the dtype its matmuls run in. It is static metadata of a `TrainState`: the trainable tensors
-live in the state, the module only provides the computation.
+A `Model` pairs a module skeleton (a transformers causal LM, or for a critic the same body under a
+scalar value head) with its family, the backend that runs it and the dtype its matmuls run in. It
+is static metadata of a `TrainState`: the trainable tensors live in the state, the module only
+provides the computation.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -15,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+)
 from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn import backends
@@ -29,6 +36,11 @@ from twinkle_fn.tensor_specs import (
 )
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HEADS = ("lm", "value")
+"""What a model's last layer computes: ``"lm"`` the vocabulary's logits (a causal LM), ``"value"``
+one scalar per token (a critic)."""
+# A critic's head reads the body's last hidden state as it is: no dropout, as verl's critic.
+_VALUE_HEAD = {"num_labels": 1, "classifier_dropout": 0.0}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -44,7 +56,9 @@ class Model:
     the module is sharded over. ``options``: backend settings (the megatron backend's are listed
     in `twinkle_fn.backends.megatron.backend`). ``weights_dir``: a local HF checkpoint directory that
     the megatron backend reads each rank's slices from; the module is then a skeleton on the
-    meta device.
+    meta device. ``head``: one of `HEADS`; a ``"value"`` model's module is transformers'
+    ``<Family>ForTokenClassification`` with one label (the causal LM's body ``model.*`` and a
+    ``score`` linear ``[hidden] -> 1`` with a bias), whose per-token outputs are values.
     """
 
     module: torch.nn.Module
@@ -54,6 +68,7 @@ class Model:
     placement: Any = None  # set by a multi-rank backend: where the module's shards live
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     weights_dir: Path | None = None
+    head: str = "lm"
 
     @property
     def config(self) -> PretrainedConfig:
@@ -75,6 +90,7 @@ def from_hf_config(
     seed: int | None = None,
     activation_checkpointing: bool = False,
     options: Mapping[str, Any] | None = None,
+    head: str = "lm",
 ) -> Model:
     """Build a randomly initialised causal LM of a supported family from an HF config.
 
@@ -82,7 +98,10 @@ def from_hf_config(
     compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (parameters stay float32 master weights).
     `seed` seeds the initialisation. `activation_checkpointing` recomputes each decoder layer's
     activations in backward instead of storing them. `options` are backend settings (see
-    `Model`). Raises ``ValueError`` for an unknown family, backend or precision.
+    `Model`). `head` ``"value"`` builds a critic (`Model`); its ``score`` head is initialised as
+    transformers' ``_init_weights`` does (weight ``N(0, initializer_range)``, bias 0: verl's
+    critic). Raises ``ValueError`` for an unknown family, backend, precision or head, or a head
+    the backend does not offer.
     """
     if isinstance(config, dict):
         if "model_type" not in config:
@@ -91,10 +110,18 @@ def from_hf_config(
     family = family_of(config)
     backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
+    _check_head(head, backend)
     if seed is not None:
         torch.manual_seed(seed)
-    module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)
+    if head == "value":
+        config = copy.deepcopy(config)
+        config.update(_VALUE_HEAD)
+        module = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    else:
+        module = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _model(
+        module, family, backend, compute_dtype, device, activation_checkpointing, options, head=head
+    )
 
 
 def from_pretrained(
@@ -105,6 +132,7 @@ def from_pretrained(
     device: str | torch.device | None = None,
     activation_checkpointing: bool = False,
     options: Mapping[str, Any] | None = None,
+    head: str = "lm",
 ) -> Model:
     """Load a causal LM of a supported family from a local HF directory or a hub id.
 
@@ -112,9 +140,12 @@ def from_pretrained(
     ``ms://org/name`` (downloaded only when that hub is reachable). `precision`,
     `activation_checkpointing` and `options` are as in `from_hf_config`. A backend that reads its
     own slices of the files when the state is initialised (megatron) gets a skeleton on the meta
-    device and the directory, and nothing is loaded here (it checks the values it reads). The
-    safetensors files are checked first (`check_weights_dir`). Raises ``ValueError`` when the
-    directory has no ``config.json``, the family is unknown, a hub id cannot be fetched, or a
+    device and the directory, and nothing is loaded here (it checks the values it reads). A causal
+    LM's safetensors files are checked first (`check_weights_dir`). `head` ``"value"`` loads a
+    critic: the body from a causal LM's (or a critic's) checkpoint, the ``score`` head from a
+    critic's or initialised as in `from_hf_config`. Raises ``ValueError`` when the directory has
+    no ``config.json``, the family is unknown, a hub id cannot be fetched, the head is unknown or
+    not offered by the backend, a critic's checkpoint is loaded without ``head="value"``, or a
     tensor is missing, extra, of another shape, not floating, holding NaN or infinity, or in a
     truncated file (naming the tensor and the file).
     """
@@ -123,9 +154,34 @@ def from_pretrained(
     family = family_of(config)
     backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    found = check_weights_dir(skeleton, path)
+    _check_head(head, backend)
+    critic_dir = any(a.endswith("ForTokenClassification") for a in config.architectures or ())
+    if critic_dir and head != "value":
+        raise ValueError(
+            f"{path} holds a value model ({config.architectures[0]}), not a causal LM; load it "
+            "with head='value'"
+        )
+    found: dict[str, TensorSpec] = {}
+    if not critic_dir:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        found = check_weights_dir(skeleton, path)
+    if head == "value":
+        config.update(_VALUE_HEAD)
+        module = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=torch.float32
+        )
+        check_finite(module.state_dict(), where=f"model {path}", files=found)
+        return _model(
+            module,
+            family,
+            backend,
+            compute_dtype,
+            device,
+            activation_checkpointing,
+            options,
+            head=head,
+        )
     if backends.get(backend).reads_own_weights:
         return _model(
             skeleton,
@@ -174,6 +230,8 @@ def _model(
     activation_checkpointing: bool,
     options: Mapping[str, Any] | None = None,
     weights_dir: Path | None = None,
+    *,
+    head: str = "lm",
 ) -> Model:
     backends.get(backend).adopt(module)
     module.train()  # from_pretrained returns eval mode; training wants dropout as configured
@@ -188,6 +246,7 @@ def _model(
         compute_dtype,
         options=dict(options or {}),
         weights_dir=weights_dir,
+        head=head,
     )
 
 
@@ -236,6 +295,19 @@ def _download(scheme: str, repo_id: str) -> Path:
 def _check_backend(backend: str) -> str:
     """The backend's canonical name. Raises ``ValueError`` for an unknown one."""
     return backends.canonical(backend)
+
+
+def _check_head(head: str, backend: str) -> None:
+    """Raise ``ValueError`` for a `head` outside `HEADS` or one `backend` does not build, naming
+    the backends that do."""
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
+    if head not in backends.get(backend).heads:
+        offering = [name for name in backends.names() if head in backends.get(name).heads]
+        raise ValueError(
+            f"backend={backend!r} has no {head!r} head; build this model with "
+            f"backend={offering[0]!r} (which has it)"
+        )
 
 
 def _dtype(precision: str) -> torch.dtype:

@@ -31,6 +31,15 @@ def test_config_dict_and_precision():
         ({"config": {"hidden_size": 8}}, "no 'model_type'"),
         ({"config": tiny_config(), "backend": "jax"}, "unknown backend 'jax'"),
         ({"config": tiny_config(), "precision": "fp8"}, "unknown precision 'fp8'"),
+        (
+            {"config": tiny_config(), "head": "critic"},
+            "unknown head 'critic'; use one of lm, value",
+        ),
+        (
+            {"config": tiny_config(), "head": "value", "backend": "megatron"},
+            r"backend='megatron' has no 'value' head; build this model with "
+            r"backend='transformers'",
+        ),
     ],
 )
 def test_bad_input_is_named(kwargs, match):
@@ -53,6 +62,37 @@ def test_from_pretrained_round_trip(tmp_path):
     torch.testing.assert_close(
         loaded.module(input_ids=ids).logits, model.module(input_ids=ids).logits
     )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_value_head_is_one_scalar_per_token(family):
+    """The causal LM's body under transformers' token-classification head with one label:
+    ``score`` ``[hidden] -> 1`` initialised as verl's critic (weight N(0, 0.02), bias 0), no
+    dropout, no lm_head."""
+    model = from_hf_config(tiny_config(family), seed=0, device="cpu", head="value")
+    assert model.head == "value" and model.module.get_output_embeddings() is None
+    score = model.module.score
+    assert score.weight.shape == (1, 32) and torch.equal(score.bias, torch.zeros(1))
+    assert 0 < float(score.weight.abs().max()) < 5 * model.config.initializer_range
+    assert model.module.dropout.p == 0.0
+    ids = torch.randint(0, 96, (2, 5))
+    assert model.module(input_ids=ids).logits.shape == (2, 5, 1)
+
+
+def test_a_value_model_loads_the_body_of_a_causal_lm(tmp_path):
+    lm = from_hf_config(tiny_config(), seed=0, device="cpu")
+    lm.module.save_pretrained(tmp_path / "lm")
+    critic = from_pretrained(tmp_path / "lm", device="cpu", head="value")
+    body = critic.module.state_dict()
+    for name, tensor in lm.module.state_dict().items():
+        if name.startswith("model."):
+            assert torch.equal(body[name], tensor), name
+    assert torch.equal(critic.module.score.bias, torch.zeros(1))
+    critic.module.save_pretrained(tmp_path / "critic")
+    again = from_pretrained(tmp_path / "critic", device="cpu", head="value")
+    assert torch.equal(again.module.score.weight, critic.module.score.weight)
+    with pytest.raises(ValueError, match=r"holds a value model .*load it with head='value'"):
+        from_pretrained(tmp_path / "critic", device="cpu")
 
 
 def test_resolve_model_dir_errors(tmp_path, monkeypatch):

@@ -106,6 +106,7 @@ class MegatronBackend:
 
     reads_own_weights = True
     offers_grad_norm = False
+    heads = ("lm",)  # no value output layer yet: a critic runs on the transformers backend
 
     def module_device(self) -> torch.device:
         """The CPU: the HF module only lends the ``GPTModel`` its initial weights."""
@@ -229,6 +230,13 @@ class MegatronBackend:
             )
         out, logps = evaluate_logps(state, batch)
         return {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
+
+    def token_values(self, state: TrainState, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Not offered (`heads`). Raises ``ValueError`` pointing at the transformers backend."""
+        raise ValueError(
+            "the megatron backend builds no value head; build the critic with "
+            "tf.models.from_pretrained(dir, head='value', backend='transformers')"
+        )
 
     def optimizer(self, lr: Any, **hyper: Any) -> Any:
         """See `twinkle_fn.backends.megatron.optimizer.megatron_optimizer`."""

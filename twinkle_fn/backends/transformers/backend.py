@@ -21,6 +21,7 @@ from twinkle_fn.backends.transformers import (
 )
 from twinkle_fn.backends.transformers.lm_head import fuse_lm_head
 from twinkle_fn.backends.transformers.loss_scale import LossScale, init_loss_scale, next_loss_scale
+from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
@@ -43,14 +44,17 @@ class TransformersBackend:
 
     reads_own_weights = False
     offers_grad_norm = True
+    heads = ("lm", "value")
 
     def module_device(self) -> torch.device:
         """The GPU when there is one, else the CPU."""
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     def adopt(self, module: torch.nn.Module) -> None:
-        """Turn the lm_head into a `FusedLMHead` (the loss is fused into it)."""
-        fuse_lm_head(module)
+        """Turn the lm_head into a `FusedLMHead` (the loss is fused into it); a value model
+        (no output embeddings, a ``score`` head) is left as it is."""
+        if module.get_output_embeddings() is not None:
+            fuse_lm_head(module)
 
     def prepare(self, model: Model, mesh: Mesh) -> Model:
         """Shard the module over `mesh` (tp plan, then FSDP2) unless it already is.
@@ -107,6 +111,15 @@ class TransformersBackend:
         out = logps.token_logps(state, batch, temperature, disable_lora, return_logits)
         fsdp.reshard(state.model)
         return out
+
+    def token_values(
+        self, state: TrainState, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """See `twinkle_fn.backends.transformers.compute.token_values`."""
+        with torch.no_grad():
+            values = compute.token_values(state, batch)
+        fsdp.reshard(state.model)
+        return {"values": values, "num_tokens": (batch["labels"] != IGNORE_INDEX).sum()}
 
     def update(self, state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
         """Normalise by every data rank's tokens, then ``state.tx`` and an in-place apply."""

@@ -4,7 +4,8 @@ The module computes with the state's own parameter tensors: `bind` points the mo
 pointer swap, no copy), so a state copied with ``donate=False`` trains its own tensors. The default
 loss is the fused linear + cross-entropy of the model's `FusedLMHead`, so full ``[tokens, vocab]``
 logits are never built. Any other loss (a `twinkle_fn.losses.TokenLoss`) runs on per-token
-log-probabilities (and entropy) in float32, which the head computes chunk by chunk as well.
+log-probabilities (and entropy) in float32, which the head computes chunk by chunk as well. A
+value model (``Model.head == "value"``) hands its loss the per-token values of its ``score`` head.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from twinkle_fn.backends.transformers.lm_head import loss_mode, terms_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
 from twinkle_fn.losses import LossOutput, TokenLoss, supervised_rows
+from twinkle_fn.losses.cross_entropy import accumulation_dtype
 from twinkle_fn.losses.token_loss import TokenInputs, apply_loss
 from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
@@ -170,12 +172,14 @@ def loss_of(
     found before the forward is queued: free for CPU labels, and for device labels the one sync
     lands where the device has no work queued behind it rather than mid-step. Another `loss`
     gets float32 per-token terms from the head in terms mode (no full logits either) and the
-    batch fields it reads.
+    batch fields it reads; on a value model it gets the per-token values (`token_values`).
     """
     model = state.model
     module = model.module
     bind(module, state.params, sharded=model.placement is not None)
     device = model.device
+    if model.head == "value":
+        return _value_loss_of(state, batch, loss)
     if loss is not None:
         return _token_loss_of(model, batch, loss)
     rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
@@ -201,6 +205,36 @@ def _token_loss_of(model: Model, batch: Mapping[str, torch.Tensor], loss: TokenL
         terms = model.module(**inputs, use_cache=False).logits  # [B, T, 2]
     entropy = terms[..., 1] if with_entropy else None
     return apply_loss(loss, TokenInputs(terms[..., 0], labels, fields, entropy))
+
+
+def token_values(state: TrainState, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, T]`` (``[1, T]`` packed) per-token values of a value model's ``score`` head,
+    differentiable, in float32 (float64 for a float64 model), 0 where the label is -100.
+
+    The value at a token is read from the hidden state that predicts its label, so it is the
+    value of the state in which that token was chosen, aligned with its log-probability.
+    """
+    model = state.model
+    bind(model.module, state.params, sharded=model.placement is not None)
+    device = model.device
+    labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
+    with autocast(model):
+        inputs = model_inputs(batch, device, model.config)
+        scores = model.module(**inputs, use_cache=False).logits  # [B, T, 1]
+    values = scores[..., 0].to(accumulation_dtype(scores.dtype))  # [B, T]
+    # where, not a product: a non-finite value on an ignored token must not leak in
+    return torch.where(labels != IGNORE_INDEX, values, 0.0)
+
+
+def _value_loss_of(
+    state: TrainState, batch: Mapping[str, torch.Tensor], loss: TokenLoss
+) -> LossOutput:
+    """`loss` of a value model's per-token values (`token_values`) and the fields it reads."""
+    device = state.model.device
+    labels = batch["labels"].to(device, non_blocking=True)  # [B, T]
+    fields = {name: batch[name].to(device, non_blocking=True) for name in loss.fields}
+    values = token_values(state, batch)  # [B, T]
+    return apply_loss(loss, TokenInputs(None, labels, fields, values=values))
 
 
 def fwd_bwd(

@@ -94,7 +94,7 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
         sp = mesh.sequence_parallel
         if sp:
             _check_sequence_parallel(model)
-            parallelize_module(module, dm["tp"], _sp_styles(SEQUENCE_PARALLEL_ROOT))
+            parallelize_module(module, dm["tp"], _sp_styles(_sequence_parallel_root(model)))
         for layer in layers:
             layer_plan = with_lora(plan, (n for n, _ in layer.named_modules()))
             styles = {s: _tp_style(v, sp) for s, v in layer_plan.items()}
@@ -181,6 +181,15 @@ def _sp_styles(plan: dict[str, str]) -> dict[str, ParallelStyle]:
                 use_local_output=True,
             )
     return styles
+
+
+def _sequence_parallel_root(model: Model) -> dict[str, str]:
+    """`SEQUENCE_PARALLEL_ROOT`, its ``lm_head`` entry moved to a value model's ``score`` head
+    (which, like the lm_head, needs the whole sequence gathered into it)."""
+    root = dict(SEQUENCE_PARALLEL_ROOT)
+    if model.head == "value":
+        root["score"] = root.pop("lm_head")
+    return root
 
 
 def _check_sequence_parallel(model: Model) -> None:

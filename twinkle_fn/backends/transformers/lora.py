@@ -67,7 +67,8 @@ def add_lora(
     adapter factor on the split side is split like its base layer (see
     `twinkle_fn.backends.transformers.plans.with_lora`). Returns the model (sharing the module).
 
-    Raises ``ValueError`` for a model that is already sharded, an `adapter_name` that is empty,
+    Raises ``ValueError`` for a value model (its head would stay frozen), a model that is already
+    sharded, an `adapter_name` that is empty,
     holds a ``.`` or is already taken (naming the adapters there), a config that targets the
     lm_head (it computes the fused loss), one that trains more than low-rank adapters or
     rewrites the base weights (``bias``, ``modules_to_save``, ``trainable_token_indices``,
@@ -76,6 +77,11 @@ def add_lora(
     neither a ``LoraConfig`` nor a dict of its fields.
     """
     module = model.module
+    if model.head == "value":
+        raise ValueError(
+            "add_lora on a value model would freeze its freshly initialised score head (twinkle's "
+            "LoRA trains adapters only); train the critic in full, without add_lora"
+        )
     if model.placement is not None or any(isinstance(p, DTensor) for p in module.parameters()):
         raise ValueError(
             "this model is already sharded; add adapters before tf.init/tf.shard on a mesh "
