@@ -213,7 +213,7 @@ def token_logps(
     `disable_lora` computes with the base weights alone (a reference model's log-probs). On
     several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
     state, ``ValueError`` for a `temperature` that is not positive, and for what the backend
-    does not offer (the megatron backend: a temperature other than 1, logits, disabled LoRA).
+    does not offer (the megatron backend: a temperature other than 1, logits).
     """
     state.check_alive()
     if not (isinstance(temperature, int | float) and temperature > 0):
