@@ -16,9 +16,9 @@ import torch
 
 import twinkle_fn as tf
 from twinkle_fn.backends.megatron import parallel
+from twinkle_fn.backends.megatron import token_terms as token_terms_module
 from twinkle_fn.backends.megatron.bridge import mcore_to_hf
 from twinkle_fn.backends.megatron.placement import model_placement
-from twinkle_fn.backends.megatron import token_terms as token_terms_module
 from twinkle_fn.backends.megatron.token_terms import TokenTerms, token_terms, vocab_parallel_terms
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
