@@ -4,14 +4,14 @@ exported adapter loads in peft onto the HF model with the Megatron model's logit
 The one-process references run in the test process (`megatron_world`); two spawned gloo ranks
 run tp2, tp2 with sequence parallelism, pp2 and dp2 in turn, then the dropout and refusal cases.
 Each trained model's log-probs with its adapters off (``tf.token_logps(disable_lora=True)``) are
-compared with those of the same model built without LoRA, on one process and on tp2.
+compared with those of the same model built without LoRA, on one process, tp2 and pp2.
 
 Tolerances (float32). Logits of the same weights through megatron's linears and through peft's
 agree to 1e-5 (observed 0: the same matmuls). Losses and grad norms of a mesh agree with one
 process to a relative 1e-5 (the ranks sum the same terms in another order). Adapters after 3
 AdamW steps at lr 1e-2 agree to 2e-4 absolute, as in `backends/megatron_test.py`: an element
 whose gradient is almost zero moves by up to lr on the sign of float32 rounding noise. Log-probs
-with the adapters off equal the model's without LoRA bit for bit on one process; on tp2 to 1e-6
+with the adapters off equal the model's without LoRA bit for bit on one process; on 2 ranks to 1e-6
 absolute (observed 4.8e-7, one float32 ulp at |logp| ~ 4.6): megatron runs a frozen weight
 through `linear_with_frozen_weight`, which its own docstring says is not bit-identical to the
 trainable weight's linear.
@@ -171,6 +171,7 @@ def _refusal(sizes, lora):
 def _two_ranks():
     runs = {name: _run(*spec) for name, spec in MESHES.items()}
     runs["no_lora_tp2"] = _no_lora_logps(*MESHES["tp2"])
+    runs["no_lora_pp2"] = _no_lora_logps(*MESHES["pp2"])
     runs["random_b"] = _run({"tp": 2}, lora=RANDOM_B, steps=0)
     for name, sizes in (
         ("dropout", {"tp": 2}),
@@ -223,11 +224,11 @@ def test_saved_adapter_loads_in_peft_with_the_megatron_logits(one, name):
 
 def test_disable_lora_gives_the_logps_of_the_model_without_lora(one, two):
     """Adapters trained 3 steps (B != 0) change the log-probs; switched off they give the
-    model's without LoRA (bit for bit on one process, to `BASE_ATOL` on tp2), and switched
-    back on they give the adapted ones again."""
+    model's without LoRA (bit for bit on one process, to `BASE_ATOL` on tp2 and pp2: every
+    stage switches its own), and switched back on they give the adapted ones again."""
     assert torch.equal(one["trained"]["logps"][1], one["no_lora"])
     for run, no_lora in [(one["trained"], one["no_lora"])] + [
-        (runs["tp2"], runs["no_lora_tp2"]) for runs in two
+        (runs[mesh], runs[f"no_lora_{mesh}"]) for runs in two for mesh in ("tp2", "pp2")
     ]:
         adapted, base, again = run["logps"]
         assert (adapted - base).abs().max() > 1e-3
