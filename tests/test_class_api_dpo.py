@@ -8,7 +8,8 @@ float32): held to rtol 1e-6 / atol 1e-7 (as the GRPO parity of `test_class_api_r
 lr 1e-2 Adam step moves every weight by about 1e-2. `TransformersModel` runs padded in one
 forward, and packed (``padding_free=True``) in micro-batches of one pair; `MegatronModel` runs
 in one spawned process with micro-batches of one pair. The returned loss is the mean over the
-call's pairs, the core's ``loss_sum / num_tokens`` (its count is pairs).
+call's pairs, the core's ``loss_sum / num_tokens`` (its count is pairs). ``reference_free``
+equals the core's DPO with zero references.
 
 Bad input (a micro-batch that splits a pair, no ``ref_logps``, a ``ref_outputs`` without
 ``logps``) is refused before any compute: each is tried before the good call, whose step would
@@ -134,3 +135,25 @@ def test_megatron_model_dpo_step_equals_the_core():
     _check(via_class, via_core, initial)
     assert out["loss"] == pytest.approx(core_loss, rel=1e-6)
     assert out["num_tokens"] == 2
+
+
+def test_reference_free_dpo_step_equals_the_core_with_zero_references():
+    """``DPOLoss(reference_free=True)`` reads no reference: the class feeds the core's
+    ``dpo_loss(reference='sequences')`` zeros (``R = 0``)."""
+
+    def model():
+        m = TransformersModel(config=tiny_config(), mixed_precision="no", seed=0)
+        m.set_optimizer("AdamW", lr=LR)
+        return m
+
+    via_class = model()
+    via_class.set_loss("DPOLoss", beta=BETA, reference_free=True)
+    with pytest.raises(ValueError, match="reads no reference; drop"):
+        via_class.forward_backward(inputs=_pairs(), ref_logps=_ref_logps(_pairs()))
+    via_class.forward_backward(inputs=_pairs())
+    via_class.step()
+    state = model().state
+    batch = pad_collate([{**f, "ref_seq_logps": 0.0} for f in _pairs()], 0)
+    grads, _ = tf.fwd_bwd(state, batch, loss=dpo_loss(BETA, reference="sequences"))
+    state, _ = tf.step(state, grads)
+    _check(tf.unshard(via_class.state), tf.unshard(state), tf.unshard(model().state))
