@@ -144,8 +144,6 @@ def _megatron_runs():
     initial = tf.unshard(model().state)
     via_class, ref, out = _train_through_the_class(model(), micro_batch_size=2)
     via_core, core_loss = _train_through_the_core(model().state, ref, micro_batch_size=2)
-    with pytest.raises(ValueError, match="disable_lora=True"):
-        model().forward_only(inputs=_features(), disable_lora=True)
     return via_class, via_core, initial, _cross_entropy_step(model()), out, core_loss
 
 

@@ -238,8 +238,8 @@ def token_logps(
     several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
     state, ``ValueError`` for a `temperature` that is not positive, ``TypeError`` /
     ``ValueError`` for a batch `twinkle_fn.batch_check.check_batch` refuses, for what the
-    backend does not offer (the megatron backend: a temperature other than 1, logits, disabled
-    LoRA) and for a value model (read it with `token_values`).
+    backend does not offer (the megatron backend: a temperature other than 1, logits) and for a
+    value model (read it with `token_values`).
     """
     state.check_alive()
     if state.model.head == "value":

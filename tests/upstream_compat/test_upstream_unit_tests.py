@@ -23,6 +23,7 @@ MIRROR = Path("/work/.mirror/modelscope+twinkle/repo")
 UPSTREAM_TESTS = (
     "tests/loss/test_grpo_gkd.py",
     "tests/loss/test_ce_mse.py",
+    "tests/loss/test_dpo.py",
     "tests/advantage/test_advantage.py",
 )
 # upstream's case (or class of cases) -> why it is deselected
@@ -40,6 +41,18 @@ NOT_PROVIDED_CASES = {
     "loss/test_ce_mse.py::TestChunkedCrossEntropyLoss": "ChunkedCrossEntropyLoss is not "
     "provided: the core's cross entropy is already fused and chunked",
     "loss/test_ce_mse.py::TestMSELoss": "MSELoss is not provided: not in the core",
+    "loss/test_dpo.py::TestDPOLoss::test_dpo_hinge": "DPOLoss(loss_type='hinge') is refused: "
+    "the core's dpo_loss is the sigmoid loss",
+    "loss/test_dpo.py::TestDPOLoss::test_dpo_ipo": "DPOLoss(loss_type='ipo') is refused: the "
+    "core's dpo_loss is the sigmoid loss",
+    "loss/test_dpo.py::TestDPOLoss::test_dpo_kto_pair": "DPOLoss(loss_type='kto_pair') is "
+    "refused: the core's dpo_loss is the sigmoid loss",
+    "loss/test_dpo.py::TestDPOLoss::test_dpo_with_sft_weight": "DPOLoss(sft_weight > 0) is "
+    "refused: the core's dpo_loss has no NLL term on the chosen responses",
+    "loss/test_dpo.py::TestCPOLoss": "CPOLoss is not provided: its behaviour-cloning term is "
+    "not in the core's dpo_loss",
+    "loss/test_dpo.py::TestORPOLoss": "ORPOLoss is not provided: its odds-ratio loss is not in "
+    "the core",
 }
 CONFTEST = """
 import twinkle.loss

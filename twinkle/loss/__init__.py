@@ -11,14 +11,22 @@ from typing import Any
 
 from twinkle.loss.base import Loss, LossInputError
 from twinkle.loss.cross_entropy import CrossEntropyLoss
+from twinkle.loss.dpo import DPOLoss, SimPOLoss
 from twinkle.loss.grpo import BNPOLoss, DRGRPOLoss, GRPOLoss, PPOLoss
 
 LOSSES: dict[str, type[Loss]] = {
-    cls.__name__: cls for cls in (CrossEntropyLoss, GRPOLoss, BNPOLoss, DRGRPOLoss, PPOLoss)
+    cls.__name__: cls
+    for cls in (CrossEntropyLoss, GRPOLoss, BNPOLoss, DRGRPOLoss, PPOLoss, DPOLoss, SimPOLoss)
 }
 # upstream's `torch_loss_mapping` names
 LOSSES.update(
-    cross_entropy=CrossEntropyLoss, grpo=GRPOLoss, bnpo=BNPOLoss, dr_grpo=DRGRPOLoss, ppo=PPOLoss
+    cross_entropy=CrossEntropyLoss,
+    grpo=GRPOLoss,
+    bnpo=BNPOLoss,
+    dr_grpo=DRGRPOLoss,
+    ppo=PPOLoss,
+    dpo=DPOLoss,
+    simpo=SimPOLoss,
 )
 # Upstream's losses this build does not provide, and why.
 NOT_PROVIDED = {
@@ -26,11 +34,8 @@ NOT_PROVIDED = {
     "SAPOLoss": "its soft gate is not the core's clipped surrogate",
     "CISPOLoss": "its detached clipped weight on logp is not the core's clipped surrogate",
     "GKDLoss": "distillation needs the teacher's logits, which the core's loss seam does not take",
-    "DPOLoss": "preference losses are being added to the core (twinkle_fn/losses/preference.py); "
-    "their classes go in twinkle/loss/dpo.py",
-    "SimPOLoss": "as DPOLoss",
-    "CPOLoss": "not in the core",
-    "ORPOLoss": "not in the core",
+    "CPOLoss": "its behaviour-cloning term is not in the core's dpo_loss",
+    "ORPOLoss": "its odds-ratio loss is not in the core",
     "MSELoss": "not in the core",
     "InfonceLoss": "embedding training is not in the core",
     "ChunkedCrossEntropyLoss": "use CrossEntropyLoss: the core's cross entropy is already fused "
@@ -69,10 +74,12 @@ __all__ = [
     "NOT_PROVIDED",
     "BNPOLoss",
     "CrossEntropyLoss",
+    "DPOLoss",
     "DRGRPOLoss",
     "GRPOLoss",
     "Loss",
     "LossInputError",
     "PPOLoss",
+    "SimPOLoss",
     "make_loss",
 ]

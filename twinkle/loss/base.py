@@ -52,6 +52,12 @@ class Loss:
         """The `model_inputs` that every ``forward_backward`` call must give."""
         return ()
 
+    def model_data(self, given: Mapping[str, Any], count: int) -> dict[str, Any]:
+        """A training call's `given` data (name -> per-sample data, for `count` samples) as
+        the batch fields of `token_loss` (by default as given). Raises ``ValueError`` for data
+        the loss cannot use."""
+        return dict(given)
+
     def row_weights(self, lengths: Sequence[int]) -> list[float] | None:
         """Per-sample ``loss_weights`` for samples of `lengths` supervised tokens (one
         ``forward_backward`` call), or None when the loss reads none."""

@@ -133,7 +133,7 @@ def test_make_loss_resolves_names_classes_and_instances():
     assert make_loss(loss) is loss
     with pytest.raises(ValueError, match=r"GSPOLoss.*sequence-level"):
         make_loss("GSPOLoss")
-    with pytest.raises(ValueError, match=r"preference\.py"):
-        make_loss("DPOLoss")
+    with pytest.raises(ValueError, match=r"CPOLoss.*behaviour-cloning"):
+        make_loss("CPOLoss")
     with pytest.raises(ValueError, match="unknown loss 'nope'"):
         make_loss("nope")

@@ -46,6 +46,7 @@ def with_loss_inputs(
     sequence mean is the mean over all of them, as one process would take it): on several
     ranks a collective, which every rank's call joins (the training call already is one).
 
+    `given` passes through the loss's ``model_data`` first (e.g. DPO's ``ref_outputs``).
     Raises ``TypeError`` for a name `loss` does not read; ``ValueError`` naming the loss, the
     input and the fix when one it needs is neither given nor on every feature, when data do
     not align with the samples (`align_rows`), and for per-sample data with a packed batch.
@@ -60,6 +61,7 @@ def with_loss_inputs(
         )
     if loss.token_loss() is None:
         return inputs
+    given = loss.model_data(given, len(inputs["labels"] if isinstance(inputs, Mapping) else inputs))
     if isinstance(inputs, Mapping):
         return _batch_fields(loss, inputs, given, mesh)
     return _feature_fields(loss, inputs, given, mesh)

@@ -23,8 +23,7 @@ follows ``OptimizerParamScheduler`` (`twinkle_fn.schedules.megatron`), as upstre
 Losses are `twinkle.loss`'s, as on `TransformersModel`: the cross entropy by default,
 ``set_loss('GRPOLoss', ...)`` for the core's `twinkle_fn.losses.ppo_loss`, reading the
 ``advantages`` / ``old_logps`` / ``ref_logps`` given to ``forward_backward``. Reference log-probs
-with the adapter off (``forward_only(disable_lora=True)``) are refused: the core's megatron
-backend cannot switch its adapter off yet.
+come from the same model with its adapter off (``forward_only(disable_lora=True)``).
 
 What both model classes share (step gating, metrics, settings, checkpoints) is in
 `twinkle.model._base.TrainableModel`; what this class refuses of it is `MegatronModel._REFUSED`.
@@ -289,9 +288,8 @@ class MegatronModel(TrainableModel):
         """An evaluation forward (no gradient): this rank's token-mean ``loss``,
         ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
         on every pipeline stage; ``calculate_metric(is_training=False)`` token-weights them
-        over the data ranks. `disable_lora` (upstream's reference log-probs from the base
-        weights) raises ``ValueError``: the core's megatron backend cannot switch its adapter
-        off yet (use a `TransformersModel`, or a second MegatronModel without the adapter)."""
+        over the data ranks. `disable_lora` computes with the base weights alone (upstream's
+        reference log-probs of a LoRA model)."""
         g, batch = self._encode(adapter_name, inputs)
         got = tf.token_logps(self._ensure_state(g), batch, disable_lora=disable_lora)
         out = ModelOutput(

@@ -50,6 +50,7 @@ initialised (seed 0); the state's ``rng`` key advances with every step but does 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -220,15 +221,18 @@ class MegatronBackend:
         disable_lora: bool,
         return_logits: bool,
     ) -> dict[str, Tensor]:
-        """See `evaluate_logps`. Raises ``ValueError`` for a temperature other than 1, logits
-        or disabled LoRA, which megatron's fused loss path does not give."""
-        if temperature != 1.0 or return_logits or disable_lora:
+        """See `evaluate_logps`; `disable_lora` computes with the base weights alone
+        (`twinkle_fn.backends.megatron.lora.adapters_off`). Raises ``ValueError`` for a
+        temperature other than 1 or logits, which megatron's fused loss path does not give."""
+        if temperature != 1.0 or return_logits:
             raise ValueError(
-                "the megatron backend gives log-probs at temperature 1, without logits and with "
-                f"its adapter on (asked: temperature={temperature}, return_logits="
-                f"{return_logits}, disable_lora={disable_lora}); use the transformers backend"
+                "the megatron backend gives log-probs at temperature 1, without logits (asked: "
+                f"temperature={temperature}, return_logits={return_logits}); use the "
+                "transformers backend"
             )
-        out, logps = evaluate_logps(state, batch)
+        chunks = model_placement(state.model).chunks
+        with lora.adapters_off(chunks) if disable_lora else contextlib.nullcontext():
+            out, logps = evaluate_logps(state, batch)
         return {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
 
     def token_values(self, state: TrainState, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:

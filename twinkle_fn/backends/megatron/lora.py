@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +286,8 @@ class LoraParallelLinear(MegatronModule):
         self._init_factors(config, rule, seed, tp)
         for factor in (self.lora_A, self.lora_B):
             factor.to(base.weight.device)
+        # `adapters_off` clears it: the forward is then the base layer's alone
+        self.enabled = True
 
     @torch.no_grad()
     def _init_factors(self, config: LoraConfig, rule: Rule, seed: int, tp: int) -> None:
@@ -309,8 +311,11 @@ class LoraParallelLinear(MegatronModule):
         self.lora_B.weight.copy_(b)
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """The base's ``(output, bias)`` with the low-rank update added to the output."""
+        """The base's ``(output, bias)`` with the low-rank update added to the output (the
+        base's alone while the adapter is off, see `adapters_off`)."""
         out, bias = self.base_layer(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
         return out + self._update(x), bias
 
     def _update(self, x: Tensor) -> Tensor:
@@ -328,6 +333,24 @@ class LoraParallelLinear(MegatronModule):
             h, _ = self.lora_A(x)
             y = self.lora_B(h)
         return y * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_off(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Within the block every `LoraParallelLinear` of `modules` (a rank's model chunks)
+    computes its base layer alone: the base weights' outputs, as the model before
+    `add_adapters` (a reference model's log-probs without a second copy of the weights). The
+    skipped update draws no dropout mask, so megatron's RNG streams advance as without LoRA.
+    A no-op on modules without adapters. On several ranks every rank must enter it (each
+    switches its own stage's adapters)."""
+    layers = [m for c in modules for m in c.modules() if isinstance(m, LoraParallelLinear)]
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enabled = True
 
 
 def _filled_below(weight: Tensor) -> None:

@@ -3,12 +3,18 @@ exported adapter loads in peft onto the HF model with the Megatron model's logit
 
 The one-process references run in the test process (`megatron_world`); two spawned gloo ranks
 run tp2, tp2 with sequence parallelism, pp2 and dp2 in turn, then the dropout and refusal cases.
+Each trained model's log-probs with its adapters off (``tf.token_logps(disable_lora=True)``) are
+compared with those of the same model built without LoRA, on one process, tp2 and pp2.
 
 Tolerances (float32). Logits of the same weights through megatron's linears and through peft's
 agree to 1e-5 (observed 0: the same matmuls). Losses and grad norms of a mesh agree with one
 process to a relative 1e-5 (the ranks sum the same terms in another order). Adapters after 3
 AdamW steps at lr 1e-2 agree to 2e-4 absolute, as in `backends/megatron_test.py`: an element
-whose gradient is almost zero moves by up to lr on the sign of float32 rounding noise.
+whose gradient is almost zero moves by up to lr on the sign of float32 rounding noise. Log-probs
+with the adapters off equal the model's without LoRA bit for bit on one process; on 2 ranks to 1e-6
+absolute (observed 4.8e-7, one float32 ulp at |logp| ~ 4.6): megatron runs a frozen weight
+through `linear_with_frozen_weight`, which its own docstring says is not bit-identical to the
+trainable weight's linear.
 """
 
 import os
@@ -34,7 +40,7 @@ CFG = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 RANDOM_B = {**CFG, "init_lora_weights": False}  # B starts random: the export is not trivial
 DROPOUT = {**RANDOM_B, "lora_dropout": 0.1}  # B != 0: A gets a gradient at once
 STEPS, LR, SEQ = 3, 1e-2, 10
-LOGITS_ATOL, LOSS_RTOL, PARAM_ATOL, TRAINED_ATOL = 1e-5, 1e-5, 2e-4, 1e-4
+LOGITS_ATOL, LOSS_RTOL, PARAM_ATOL, TRAINED_ATOL, BASE_ATOL = 1e-5, 1e-5, 2e-4, 1e-4, 1e-6
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # name -> (mesh sizes, backend options, batch layout)
 MESHES = {
@@ -74,6 +80,21 @@ def _batch(feats, layout):
     return pack(feats) if layout == "packed" else pad_collate(feats, pad_token_id=0)
 
 
+def _logps(state, layout, **kw):
+    """``tf.token_logps`` of a fixed batch (the same on every rank), ``[B, T]``."""
+    return tf.token_logps(state, _batch(random_features(4, seed=50), layout), **kw)["logps"]
+
+
+def _no_lora_logps(sizes, options=None, layout="packed"):
+    """`_logps` of the model `_run` builds, without LoRA, on the mesh of `sizes`."""
+    model = tf.models.from_hf_config(
+        tiny_config("qwen2"), seed=0, backend="megatron", options=options
+    )
+    logps = _logps(tf.init(model, megatron_optimizer(LR), tf.Mesh(**sizes)), layout)
+    parallel.destroy()
+    return logps
+
+
 def _run(sizes, options=None, layout="packed", lora=CFG, steps=STEPS, adapter_dir=None, **kw):
     """`steps` steps of the LoRA model on this rank's slice of each global batch."""
     mesh = tf.Mesh(**sizes)
@@ -93,6 +114,8 @@ def _run(sizes, options=None, layout="packed", lora=CFG, steps=STEPS, adapter_di
     names = {id(p): n for n, p in gpt.named_parameters()}
     run = dict(
         infos=infos,
+        # adapters on, off, and on again (the switch must restore them)
+        logps=[_logps(state, layout, disable_lora=off) for off in (False, True, False)],
         at_init=at_init,
         adapter=tf.unshard(state),
         logits=_logits(state) if mesh.pp == 1 else None,
@@ -130,6 +153,7 @@ def one(megatron_world, tmp_path_factory):
         trained=_run({}, adapter_dir=root / "trained"),
         random_b=_run({}, lora=RANDOM_B, steps=0, adapter_dir=root / "random_b"),
         recompute=_run({}, activation_checkpointing=True),
+        no_lora=_no_lora_logps({}),
         dirs={"trained": root / "trained", "random_b": root / "random_b"},
         root=root,
     )
@@ -146,6 +170,8 @@ def _refusal(sizes, lora):
 
 def _two_ranks():
     runs = {name: _run(*spec) for name, spec in MESHES.items()}
+    runs["no_lora_tp2"] = _no_lora_logps(*MESHES["tp2"])
+    runs["no_lora_pp2"] = _no_lora_logps(*MESHES["pp2"])
     runs["random_b"] = _run({"tp": 2}, lora=RANDOM_B, steps=0)
     for name, sizes in (
         ("dropout", {"tp": 2}),
@@ -194,6 +220,20 @@ def test_saved_adapter_loads_in_peft_with_the_megatron_logits(one, name):
             base = peft_model(input_ids=ids).logits
     torch.testing.assert_close(logits, one[name]["logits"], rtol=0, atol=LOGITS_ATOL)
     assert (logits - base).abs().max() > 1e-2  # the adapter was applied, not skipped
+
+
+def test_disable_lora_gives_the_logps_of_the_model_without_lora(one, two):
+    """Adapters trained 3 steps (B != 0) change the log-probs; switched off they give the
+    model's without LoRA (bit for bit on one process, to `BASE_ATOL` on tp2 and pp2: every
+    stage switches its own), and switched back on they give the adapted ones again."""
+    assert torch.equal(one["trained"]["logps"][1], one["no_lora"])
+    for run, no_lora in [(one["trained"], one["no_lora"])] + [
+        (runs[mesh], runs[f"no_lora_{mesh}"]) for runs in two for mesh in ("tp2", "pp2")
+    ]:
+        adapted, base, again = run["logps"]
+        assert (adapted - base).abs().max() > 1e-3
+        torch.testing.assert_close(base, no_lora, rtol=0, atol=BASE_ATOL)
+        assert torch.equal(again, adapted)
 
 
 def test_recompute_trains_the_adapters_like_no_recompute(one):
