@@ -143,9 +143,12 @@ class TrainableModel(abc.ABC):
         the gradients clipped to `max_grad_norm`; returns their global norm before clipping,
         or None while still accumulating. Raises ``ValueError`` for a clipping the class does
         not do (a norm other than L2; on `MegatronModel` a `max_grad_norm` other than its
-        optimizer's ``clip_grad``), checked on every call."""
+        optimizer's ``clip_grad``), checked on every call, for a bad
+        `gradient_accumulation_steps`, and when no micro-batch was accumulated since the last
+        step or ``zero_grad`` (a call after an update that consumed them returns None)."""
         g = self._resolve(adapter_name)
         self._check_clip(g, max_grad_norm, norm_type)
+        g.pending.check_any("clip_grad_and_step")
         if not self._due(g, gradient_accumulation_steps):
             return None
         g.pending.clip = max_grad_norm
@@ -161,14 +164,18 @@ class TrainableModel(abc.ABC):
     ) -> None:
         """On a step boundary (exactly `gradient_accumulation_steps` micro-batches pending,
         not yet consumed by an update): one optimizer update from the pending gradients,
-        normalised by all their tokens; otherwise nothing. Raises ``ValueError`` for options
-        such as ``optim_params`` (set them with `set_optimizer`)."""
+        normalised by all their tokens; otherwise nothing (also after an update that consumed
+        them, as `MegatronModel.clip_grad_norm` makes). Raises ``ValueError`` for options such
+        as ``optim_params`` (set them with `set_optimizer`), for a bad
+        `gradient_accumulation_steps`, and when no micro-batch was accumulated since the last
+        step or ``zero_grad`` (upstream's torch optimizer would skip the update silently)."""
         if kwargs:
             raise ValueError(
                 f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
                 "to change the learning rate or weight decay"
             )
         g = self._resolve(adapter_name)
+        g.pending.check_any("step")
         if self._due(g, gradient_accumulation_steps):
             self._update(g)
 
@@ -189,8 +196,9 @@ class TrainableModel(abc.ABC):
         self, adapter_name: str | None = None, gradient_accumulation_steps: int | None = None
     ) -> None:
         """Nothing to do: the schedule is a function of the update count, so each update
-        already moves the learning rate on (as a torch scheduler stepped after it would)."""
-        self._resolve(adapter_name)
+        already moves the learning rate on (as a torch scheduler stepped after it would).
+        Raises ``ValueError`` for a bad `gradient_accumulation_steps`."""
+        _group.accumulation_steps(self._resolve(adapter_name), gradient_accumulation_steps)
 
     @remote_function(collect="first")
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:

@@ -124,9 +124,10 @@ class TransformersModel(TrainableModel):
         ``loss`` (this call's token mean on this rank, a float) and ``num_tokens``; with
         `return_logps` / `return_logits` also ``logps`` / ``logits`` from an extra no-grad
         forward (with the weights the gradient is taken at). `gradient_accumulation_steps` is
-        read at step time.
+        read at step time (checked here: ``ValueError`` unless a positive int or None).
         """
         g, batch = self._encode(adapter_name, inputs)
+        _group.accumulation_steps(g, gradient_accumulation_steps)
         state = self._ensure_state(g)
         out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
         aux = g.pending.add(state, batch)
@@ -190,6 +191,7 @@ class TransformersModel(TrainableModel):
         already backpropagated).
         """
         g = self._resolve(adapter_name)
+        _group.accumulation_steps(g, gradient_accumulation_steps)
         if g.last is None or not g.last[2]:
             raise ValueError("backward needs a forward(inputs=...) call before it")
         g.pending.add(self._ensure_state(g), g.last[0])
