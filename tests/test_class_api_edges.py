@@ -78,3 +78,45 @@ def test_a_step_after_the_update_is_a_no_op_as_in_upstreams_loop():
     assert int(model.state.step) == 1
     assert model.clip_grad_and_step() is None
     assert int(model.state.step) == 1
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m: m.set_optimizer("AdamW", lr=0.0), r"^lr must be > 0, got 0.0: .*positive"),
+        (lambda m: m.set_optimizer("SGD", lr=0), r"^lr must be > 0, got 0.0"),
+        (
+            lambda m: m.set_lr_scheduler(
+                "CosineWarmupScheduler", num_warmup_steps=200, num_training_steps=100
+            ),
+            r"^CosineWarmupScheduler: num_warmup_steps \(200\) must be < num_training_steps "
+            r"\(100\): .*lower num_warmup_steps or raise num_training_steps",
+        ),
+        (
+            lambda m: m.set_lr_scheduler(
+                "LinearWarmupScheduler", num_warmup_steps=10, num_training_steps=10
+            ),
+            r"num_warmup_steps \(10\) must be < num_training_steps \(10\)",
+        ),
+        (
+            lambda m: m.set_lr_scheduler("default", lr_warmup_steps=20, lr_decay_steps=10),
+            r"lr_warmup_steps \(20\) must be < lr_decay_steps \(10\): .*lower lr_warmup_steps",
+        ),
+        (lambda m: m.save(output_dir="unused", interval=0), r"^save\(interval=0\): .*interval=1"),
+    ],
+)
+def test_a_zero_lr_a_warmup_past_the_run_and_interval_zero_are_refused(call, match, tmp_path):
+    """One policy with the CLI and the core: an lr <= 0 and a warmup not shorter than its
+    schedule are refused (today lr 0 was accepted, the warmup error named the core's fields
+    and save(interval=0) raised ZeroDivisionError), before anything is built or written."""
+    model = _model()
+    with pytest.raises(ValueError, match=match):
+        call(model)
+    assert not model._groups.built and not (tmp_path / "unused").exists()
+
+
+def test_megatron_optimizer_refuses_a_zero_lr():
+    from twinkle.model.megatron import optimizer_spec
+
+    with pytest.raises(ValueError, match=r"^lr must be > 0, got 0.0"):
+        optimizer_spec("default", lr=0.0)

@@ -68,6 +68,25 @@ def test_non_numeric_lr_is_named(capsys):
     assert "--lr" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--lr", "0"], "--lr must be a positive finite number, got 0.0: .*--lr 3e-3"),
+        (
+            ["--warmup-steps", "50", "--steps", "3"],
+            r"--warmup-steps 50 must be < --steps 3: .*lower --warmup-steps \(e.g. 0\) or raise",
+        ),
+        (["--warmup-steps", "3", "--steps", "3"], "--warmup-steps 3 must be < --steps 3"),
+    ],
+)
+def test_zero_lr_and_warmup_past_the_run_are_refused_before_training(args, match, tmp_path, capsys):
+    """The library's policy (an lr <= 0 and a warmup not shorter than the schedule are refused):
+    the warmup was silently clamped to steps - 1 before."""
+    assert main(["train", *args, "--no-progress", "--output-dir", str(tmp_path / "o")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
 def test_model_without_tokenizer_is_named(run_dir, tmp_path, capsys):
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint")
     model.save_pretrained(tmp_path / "m")

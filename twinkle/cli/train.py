@@ -33,6 +33,8 @@ from twinkle_fn.data import (
 )
 from twinkle_fn.distributed import init_distributed, rank, world_size
 
+DEFAULT_WARMUP_STEPS = 20
+
 
 @dataclass
 class Summary:
@@ -62,8 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=_positive_int, default=300)
     p.add_argument("--batch-size", type=_positive_int, default=32, help="samples per step")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="accumulation steps")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (> 0)")
+    p.add_argument(
+        "--warmup-steps",
+        type=_nonnegative_int,
+        default=None,
+        help="linear warmup steps, fewer than --steps (default: 20, or steps - 1 if fewer)",
+    )
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--max-length", type=_positive_int, default=256)
     p.add_argument("--num-samples", type=_positive_int, default=8000, help="built-in data size")
@@ -90,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> Summary:
     """Train, evaluate before and after, save a checkpoint, plot and summarise."""
-    if not math.isfinite(args.lr) or args.lr <= 0:
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    warmup_steps = _warmup_steps(args)
     init_distributed()
     mesh = args.mesh or tf.Mesh()
     if mesh.world_size > 1:
@@ -112,7 +118,7 @@ def train(args: argparse.Namespace) -> Summary:
 
     schedule = tf.schedules.warmup_cosine(
         peak_lr=args.lr,
-        warmup_steps=min(args.warmup_steps, args.steps - 1),
+        warmup_steps=warmup_steps,
         decay_steps=args.steps,
         min_lr=args.lr * 0.1,
     )
@@ -189,6 +195,29 @@ def tiny_qwen2_config(vocab_size: int) -> Qwen2Config:
     )
 
 
+def _warmup_steps(args: argparse.Namespace) -> int:
+    """The warmup length: `--warmup-steps`, or by default 20 capped to ``steps - 1``.
+
+    Raises ``ValueError`` for an lr that is not a positive finite number, and for an explicit
+    warmup that is not shorter than the run (it would never reach --lr): the same policy as
+    the library's schedules and optimizers, which refuse both.
+    """
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(
+            f"--lr must be a positive finite number, got {args.lr}: a learning rate of 0 trains "
+            "nothing; pass e.g. --lr 3e-3"
+        )
+    if args.warmup_steps is None:
+        return min(DEFAULT_WARMUP_STEPS, args.steps - 1)
+    if args.warmup_steps >= args.steps:
+        raise ValueError(
+            f"--warmup-steps {args.warmup_steps} must be < --steps {args.steps}: the warmup would "
+            f"outlast the run and never reach --lr; lower --warmup-steps (e.g. "
+            f"{args.steps // 10}) or raise --steps"
+        )
+    return args.warmup_steps
+
+
 def _model_and_tokenizer(args: argparse.Namespace) -> tuple[tf.models.Model, Any]:
     if args.model is None:
         tokenizer = char_tokenizer()
@@ -237,6 +266,13 @@ def _mesh(text: str) -> tf.Mesh:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a mesh; write sizes like fsdp=2 or dp=2,tp=2 ({e})"
         ) from e
+
+
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:

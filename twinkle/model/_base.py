@@ -282,8 +282,10 @@ class TrainableModel(abc.ABC):
         adapter is a peft directory (``adapter_config.json``, ``adapter_model.safetensors``,
         tokenizer), plus with `save_optimizer` a ``train_state/`` checkpoint to resume from.
         Every rank must call it. Raises ``ValueError`` for an unknown adapter, and for
-        `save_optimizer` with an adapter where the class refuses it (`MegatronModel`).
+        `save_optimizer` with an adapter where the class refuses it (`MegatronModel`), and an
+        `interval` that is not a positive int (before anything is built or written).
         """
+        _checkpoint.check_interval(interval)
         g = self._resolve(adapter_name)
         if g.name and save_optimizer:
             context = f"save_optimizer=True with adapter {g.name!r}"
