@@ -62,6 +62,21 @@ def test_bad_rows_are_named(tmp_path, capsys):
     assert "bad.jsonl:2" in err and "messages" in err and "text" in err
 
 
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", r"empty\.jsonl: no rows \(the file is empty or blank\)"),
+        (b'{"text": "ok"}\n\x1f\x8b\x08\x00', r"empty\.jsonl:2: not UTF-8 text \(byte 0x8b"),
+    ],
+)
+def test_empty_or_binary_data_file_is_named_before_training(tmp_path, capsys, content, match):
+    data = tmp_path / "empty.jsonl"
+    data.write_bytes(content)
+    assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
 def test_non_numeric_lr_is_named(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--lr", "fast"])

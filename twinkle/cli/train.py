@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def train(args: argparse.Namespace) -> Summary:
     """Train, evaluate before and after, save a checkpoint, plot and summarise."""
     warmup_steps = _warmup_steps(args)
+    rows = load_jsonl(args.data) if args.data else arithmetic_dataset(args.num_samples, args.seed)
     init_distributed()
     mesh = args.mesh or tf.Mesh()
     if mesh.world_size > 1:
@@ -105,7 +106,6 @@ def train(args: argparse.Namespace) -> Summary:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model_and_tokenizer(args)
-    rows = load_jsonl(args.data) if args.data else arithmetic_dataset(args.num_samples, args.seed)
     train_rows, heldout_rows = train_heldout_split(rows, seed=args.seed)
     train_feats = encode_rows(tokenizer, train_rows, max_length=args.max_length)
     heldout_feats = encode_rows(tokenizer, heldout_rows, max_length=args.max_length)
