@@ -80,7 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--mesh",
         type=_mesh,
         default=None,
-        help="parallel sizes under torchrun, e.g. fsdp=2 or dp=2,tp=2 (default: one process)",
+        help="parallel sizes under torchrun, e.g. fsdp=2 or dp=2,tp=2; each data rank (dp x "
+        "fsdp) trains on its slice of every batch (default: dp over every process, printed at "
+        "the start; one process without a launcher)",
     )
     p.add_argument("--output-dir", default="runs/twinkle-train")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -100,9 +102,7 @@ def train(args: argparse.Namespace) -> Summary:
     warmup_steps = _warmup_steps(args)
     rows = load_jsonl(args.data) if args.data else arithmetic_dataset(args.num_samples, args.seed)
     init_distributed()
-    mesh = args.mesh or tf.Mesh()
-    if mesh.world_size > 1:
-        mesh.validate(world_size())
+    mesh = _world_mesh(args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model_and_tokenizer(args)
@@ -138,10 +138,11 @@ def train(args: argparse.Namespace) -> Summary:
         batch_feats = [
             train_feats[j] for j in order[i * args.batch_size : (i + 1) * args.batch_size]
         ]
+        tokens += sum(len(f["input_ids"]) for f in batch_feats)  # every data rank's
         grads = None
-        for micro in split_features(batch_feats, args.micro_batches):
+        local = batch_feats[mesh.get_slice(len(batch_feats), rank())]  # this data rank's
+        for micro in split_features(local, args.micro_batches):
             grads, _ = tf.fwd_bwd(state, pack(micro), accum=grads)
-            tokens += sum(len(f["input_ids"]) for f in micro)
         try:
             state, info = tf.step(state, grads, on_nonfinite="raise")
         except tf.NonFiniteError as e:
@@ -192,6 +193,33 @@ def tiny_qwen2_config(vocab_size: int) -> Qwen2Config:
         num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=True,
+    )
+
+
+def _world_mesh(args: argparse.Namespace) -> tf.Mesh:
+    """`--mesh`, by default data parallelism over the whole world (printed by rank 0 when it
+    has several processes). Raises ``ValueError`` for a mesh that does not match the world,
+    and for a batch that leaves a data rank fewer samples than micro-batches."""
+    mesh = args.mesh or tf.Mesh(dp=world_size())
+    mesh.validate(world_size())
+    if args.mesh is None and world_size() > 1 and rank() == 0:
+        print(f"twinkle train: no --mesh given; data parallel over the world: {_sizes(mesh)}")
+    per_rank = args.batch_size // mesh.data_world_size
+    if per_rank < args.micro_batches:
+        raise ValueError(
+            f"--batch-size {args.batch_size} over {mesh.data_world_size} data ranks "
+            f"({_sizes(mesh)}) leaves {per_rank} samples per rank, fewer than --micro-batches "
+            f"{args.micro_batches}; raise --batch-size to at least "
+            f"{mesh.data_world_size * args.micro_batches} or lower --micro-batches"
+        )
+    return mesh
+
+
+def _sizes(mesh: tf.Mesh) -> str:
+    """``"dp=2,tp=2"``: the mesh's axes of size > 1 (``"one process"`` for none)."""
+    axes = ("dp", "fsdp", "tp", "pp", "cp", "ep", "etp")
+    return ",".join(f"{a}={getattr(mesh, a)}" for a in axes if getattr(mesh, a) > 1) or (
+        "one process"
     )
 
 
