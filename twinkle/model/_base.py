@@ -6,7 +6,8 @@ update comes once exactly ``gradient_accumulation_steps`` micro-batches are pend
 checkpoints, templates and processors work the same way. A subclass says how it differs:
 
 - ``_ensure_state(g)`` builds (or brings back) group `g`'s train state, ``_update(g)`` makes
-  one update from its pending gradients;
+  one update from its pending gradients, ``_transform(g)`` is the optimizer its settings give
+  (`_renew_optimizer` puts a new one into a built state);
 - ``_check_clip`` refuses the clipping it does not do (base: a norm other than L2);
 - ``_REFUSED`` names the features it refuses and why (`_check_supported`, the one place each
   is refused); ``_built`` says when its settings are frozen;
@@ -34,6 +35,7 @@ from twinkle.model._inputs import Batch
 from twinkle.processor import InputProcessor
 from twinkle_fn.export import DEFAULT_BUCKET_BYTES
 from twinkle_fn.lora import PEFT_PREFIX
+from twinkle_fn.optim import GradientTransformation
 
 
 class TrainableModel(abc.ABC):
@@ -78,6 +80,10 @@ class TrainableModel(abc.ABC):
         where the class clips itself); records ``g.pending.last_step``."""
 
     @abc.abstractmethod
+    def _transform(self, g: _group.Group) -> GradientTransformation:
+        """The optimizer transform of group `g`'s settings (optimizer and lr schedule)."""
+
+    @abc.abstractmethod
     def _config_lines(self) -> list[str]:
         """This class's own lines of `get_train_configs`."""
 
@@ -95,6 +101,17 @@ class TrainableModel(abc.ABC):
         why = self._REFUSED.get(feature)
         if why is not None:
             raise ValueError(f"{context}: {why}")
+
+    def _renew_optimizer(self, g: _group.Group) -> None:
+        """Once group `g`'s state is built (by a forward, or an update): give it a new
+        optimizer from its settings (`_transform`), with a fresh optimizer state (moments at
+        zero, the schedule counted from this point) over its current weights. Before that,
+        nothing: the state is built with the settings when first needed."""
+        if not self._built():
+            return
+        state = self._ensure_state(g)
+        tx = self._transform(g)
+        g.state = state.replace(tx=tx, opt_state=tx.init(state.params))
 
     def _check_unbuilt(self, what: str) -> None:
         """Raises ``ValueError`` once the train states are built: `what` must come first."""
