@@ -89,7 +89,8 @@ def test_a_step_after_the_update_is_a_no_op_as_in_upstreams_loop():
             lambda m: m.set_lr_scheduler(
                 "CosineWarmupScheduler", num_warmup_steps=200, num_training_steps=100
             ),
-            r"^CosineWarmupScheduler: num_warmup_steps \(200\) must be < num_training_steps "
+            r"^CosineWarmupScheduler\(num_warmup_steps=200, num_training_steps=100\): "
+            r"num_warmup_steps \(200\) must be < num_training_steps "
             r"\(100\): .*lower num_warmup_steps or raise num_training_steps",
         ),
         (
@@ -103,6 +104,20 @@ def test_a_step_after_the_update_is_a_no_op_as_in_upstreams_loop():
             r"lr_warmup_steps \(20\) must be < lr_decay_steps \(10\): .*lower lr_warmup_steps",
         ),
         (lambda m: m.save(output_dir="unused", interval=0), r"^save\(interval=0\): .*interval=1"),
+        (
+            lambda m: m.set_lr_scheduler("CosineAnnealingLR", T_max=0),
+            r"^CosineAnnealingLR\(T_max=0\): ",
+        ),
+        (
+            lambda m: m.set_lr_scheduler(
+                "CosineWarmupScheduler", num_warmup_steps=-1, num_training_steps=5
+            ),
+            r"^CosineWarmupScheduler\(num_warmup_steps=-1, num_training_steps=5\): .*>= 0, got -1",
+        ),
+        (
+            lambda m: m.clip_grad_and_step(max_grad_norm=0),
+            r"^max_grad_norm must be a positive number, got 0; pass e.g. max_grad_norm=1.0",
+        ),
     ],
 )
 def test_a_zero_lr_a_warmup_past_the_run_and_interval_zero_are_refused(call, match, tmp_path):

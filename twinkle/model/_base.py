@@ -20,6 +20,7 @@ inherited methods too); the subclasses carry ``remote_class``.
 from __future__ import annotations
 
 import abc
+import numbers
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -92,9 +93,16 @@ class TrainableModel(abc.ABC):
         return self._groups.built
 
     def _check_clip(self, g: _group.Group, max_grad_norm: float, norm_type: float) -> None:
-        """Raises ``ValueError`` for a clipping this class does not do: a norm other than L2."""
+        """Raises ``ValueError`` for a clipping this class does not do: a norm other than L2,
+        a `max_grad_norm` that is not a positive number (inf: no clipping)."""
         if norm_type != 2:
             raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
+        positive = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+        if not positive or not max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm must be a positive number, got {max_grad_norm!r}; pass e.g. "
+                "max_grad_norm=1.0, or math.inf not to clip"
+            )
 
     def _check_supported(self, feature: str, context: str) -> None:
         """Raises ``ValueError`` (`context`, then why) when this class refuses `feature`."""
