@@ -94,6 +94,7 @@ def test_non_numeric_lr_is_named(capsys):
             r"--warmup-steps 50 must be < --steps 3: .*lower --warmup-steps \(e.g. 0\) or raise",
         ),
         (["--warmup-steps", "3", "--steps", "3"], "--warmup-steps 3 must be < --steps 3"),
+        (["--weight-decay", "-1"], r"--weight-decay must be a finite number >= 0, got -1.0"),
     ],
 )
 def test_zero_lr_and_warmup_past_the_run_are_refused_before_training(args, match, tmp_path, capsys):

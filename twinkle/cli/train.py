@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> Summary:
     """Train, evaluate before and after, save a checkpoint, plot and summarise."""
-    warmup_steps = _warmup_steps(args)
+    tx = _optimizer(args)
     rows = load_jsonl(args.data) if args.data else arithmetic_dataset(args.num_samples, args.seed)
     init_distributed()
     mesh = _world_mesh(args)
@@ -116,16 +116,6 @@ def train(args: argparse.Namespace) -> Summary:
             "samples; lower it or add data"
         )
 
-    schedule = tf.schedules.warmup_cosine(
-        peak_lr=args.lr,
-        warmup_steps=warmup_steps,
-        decay_steps=args.steps,
-        min_lr=args.lr * 0.1,
-    )
-    tx = tf.optim.chain(
-        tf.optim.clip_by_global_norm(1.0),
-        tf.optim.adamw(schedule, weight_decay=args.weight_decay),
-    )
     state = tf.init(model, tx, mesh, seed=args.seed)
     heldout_before = _heldout_loss(state, heldout_feats, args.batch_size)
 
@@ -223,18 +213,44 @@ def _sizes(mesh: tf.Mesh) -> str:
     )
 
 
-def _warmup_steps(args: argparse.Namespace) -> int:
-    """The warmup length: `--warmup-steps`, or by default 20 capped to ``steps - 1``.
+def _optimizer(args: argparse.Namespace) -> tf.optim.GradientTransformation:
+    """Clipping to norm 1, then AdamW with a warmup-cosine schedule from --lr down to a tenth.
 
-    Raises ``ValueError`` for an lr that is not a positive finite number, and for an explicit
-    warmup that is not shorter than the run (it would never reach --lr): the same policy as
-    the library's schedules and optimizers, which refuse both.
+    Raises ``ValueError`` (before anything is built) for an lr that is not a positive finite
+    number, a negative or non-finite weight decay, and an explicit warmup that is not shorter
+    than the run (it would never reach --lr): the same policy as the library's schedules and
+    optimizers, which refuse them too.
     """
-    if not math.isfinite(args.lr) or args.lr <= 0:
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
         raise ValueError(
-            f"--lr must be a positive finite number, got {args.lr}: a learning rate of 0 trains "
+            f"--weight-decay must be a finite number >= 0, got {args.weight_decay}; pass e.g. "
+            "--weight-decay 0.01"
+        )
+    schedule = tf.schedules.warmup_cosine(
+        peak_lr=_check_lr(args.lr),
+        warmup_steps=_warmup_steps(args),
+        decay_steps=args.steps,
+        min_lr=args.lr * 0.1,
+    )
+    return tf.optim.chain(
+        tf.optim.clip_by_global_norm(1.0),
+        tf.optim.adamw(schedule, weight_decay=args.weight_decay),
+    )
+
+
+def _check_lr(lr: float) -> float:
+    """`lr`; raises ``ValueError`` unless it is a positive finite number."""
+    if not math.isfinite(lr) or lr <= 0:
+        raise ValueError(
+            f"--lr must be a positive finite number, got {lr}: a learning rate of 0 trains "
             "nothing; pass e.g. --lr 3e-3"
         )
+    return lr
+
+
+def _warmup_steps(args: argparse.Namespace) -> int:
+    """`--warmup-steps`, or by default 20 capped to ``steps - 1``. Raises ``ValueError`` for
+    an explicit warmup that is not shorter than the run."""
     if args.warmup_steps is None:
         return min(DEFAULT_WARMUP_STEPS, args.steps - 1)
     if args.warmup_steps >= args.steps:
