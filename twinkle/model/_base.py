@@ -10,7 +10,8 @@ checkpoints, templates and processors work the same way. A subclass says how it 
   (`_renew_optimizer` puts a new one into a built state);
 - ``_check_clip`` refuses the clipping it does not do (base: a norm other than L2);
 - ``_REFUSED`` names the features it refuses and why (`_check_supported`, the one place each
-  is refused); ``_built`` says when its settings are frozen;
+  is refused); ``_built`` says when the states exist (adapters come before; an optimizer
+  chosen after is put in by `_renew_optimizer`);
 - ``_config_lines`` adds its own lines to `get_train_configs`.
 
 The ``remote_function`` policies recorded here hold for the subclasses (the Ray engine finds
@@ -89,7 +90,7 @@ class TrainableModel(abc.ABC):
         """This class's own lines of `get_train_configs`."""
 
     def _built(self) -> bool:
-        """Whether the train states exist (settings made before them are frozen then)."""
+        """Whether the train states exist (adapters can no longer be added then)."""
         return self._groups.built
 
     def _check_clip(self, g: _group.Group, max_grad_norm: float, norm_type: float) -> None:
