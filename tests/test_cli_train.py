@@ -180,6 +180,15 @@ def test_fewer_samples_per_data_rank_than_micro_batches_is_named(tmp_path, capsy
     )
 
 
+def test_max_length_past_the_models_positions_is_refused(tmp_path, capsys):
+    """The tiny default model has 512 positions; before, --max-length 600 was taken as is."""
+    assert main(["train", "--max-length", "600", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        "--max-length 600 exceeds the model's max_position_embeddings (512); pass "
+        "--max-length 512 or less" in capsys.readouterr().err
+    )
+
+
 def test_bad_mesh_is_named(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--mesh", "dp=two"])

@@ -34,6 +34,7 @@ from twinkle_fn.data import (
 from twinkle_fn.distributed import init_distributed, rank, world_size
 
 DEFAULT_WARMUP_STEPS = 20
+DEFAULT_MAX_LENGTH = 256
 
 
 @dataclass
@@ -72,7 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="linear warmup steps, fewer than --steps (default: 20, or steps - 1 if fewer)",
     )
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--max-length", type=_positive_int, default=256)
+    p.add_argument(
+        "--max-length",
+        type=_positive_int,
+        default=None,
+        help="tokens per sample, at most the model's max_position_embeddings (default: "
+        f"{DEFAULT_MAX_LENGTH}, capped to it); longer samples are truncated",
+    )
     p.add_argument("--num-samples", type=_positive_int, default=8000, help="built-in data size")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
@@ -106,9 +113,10 @@ def train(args: argparse.Namespace) -> Summary:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = _model_and_tokenizer(args)
+    max_length = _max_length(args, model.config.max_position_embeddings)
     train_rows, heldout_rows = train_heldout_split(rows, seed=args.seed)
-    train_feats = encode_rows(tokenizer, train_rows, max_length=args.max_length)
-    heldout_feats = encode_rows(tokenizer, heldout_rows, max_length=args.max_length)
+    train_feats = encode_rows(tokenizer, train_rows, max_length=max_length)
+    heldout_feats = encode_rows(tokenizer, heldout_rows, max_length=max_length)
     check_supervised(train_feats, where=f"training data {args.data or 'arithmetic'}")
     if len(train_feats) < args.batch_size:
         raise ValueError(
@@ -260,6 +268,20 @@ def _warmup_steps(args: argparse.Namespace) -> int:
             f"{args.steps // 10}) or raise --steps"
         )
     return args.warmup_steps
+
+
+def _max_length(args: argparse.Namespace, max_positions: int) -> int:
+    """`--max-length`, or by default `DEFAULT_MAX_LENGTH` capped to `max_positions` (the
+    model's ``max_position_embeddings``). Raises ``ValueError`` for an explicit length past
+    them: positions the model has no embedding for would train without a word."""
+    if args.max_length is None:
+        return min(DEFAULT_MAX_LENGTH, max_positions)
+    if args.max_length > max_positions:
+        raise ValueError(
+            f"--max-length {args.max_length} exceeds the model's max_position_embeddings "
+            f"({max_positions}); pass --max-length {max_positions} or less"
+        )
+    return args.max_length
 
 
 def _model_and_tokenizer(args: argparse.Namespace) -> tuple[tf.models.Model, Any]:
