@@ -209,3 +209,34 @@ def test_batch_must_divide_over_data_ranks():
         )
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         DataLoader(list(range(8)), batch_size=0)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".txt"])
+def test_dataset_files_that_are_binary_or_empty_are_named(tmp_path, suffix):
+    """Today a binary file gave a bare UnicodeDecodeError and an empty one an empty dataset."""
+    binary = tmp_path / f"bin{suffix}"
+    binary.write_bytes(b"text\nok\n\x89PNG\r\n\x1a\n")
+    with pytest.raises(ValueError, match=rf"bin\{suffix}:3: not UTF-8 text \(byte 0x89"):
+        Dataset(DatasetMeta(dataset_id=str(binary)))
+    binary.unlink()
+    empty = tmp_path / f"empty{suffix}"
+    empty.write_text("" if suffix != ".json" else "[]")
+    with pytest.raises(ValueError, match=rf"empty\{suffix} has no rows"):
+        Dataset(DatasetMeta(dataset_id=str(tmp_path)))
+
+
+def test_dataset_row_errors_name_the_file_line_and_field(tok, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(f'{json.dumps(_chat("1"))}\n\n{{"prompt": "no messages"}}\n')
+    ds = Dataset(DatasetMeta(dataset_id=str(path)))
+    ds.add_dataset(DatasetMeta(data=[{"prompt": "in memory"}]))
+    ds.set_template(Template(tok))
+    with pytest.raises(ValueError, match=r"^row 1 \(.*d\.jsonl:3\): .*'messages'.*\['prompt'\]"):
+        ds.encode()
+    ds.filter(lambda row: "messages" in row or row["prompt"] == "in memory")
+    with pytest.raises(ValueError, match=r"^row 1 \(DatasetMeta\.data\[0\]\): .*'messages'"):
+        ds.encode()
+    lines = tmp_path / "l.jsonl"
+    lines.write_text('{"text": "a"}\n[1, 2]\n')
+    with pytest.raises(TypeError, match=r"l\.jsonl:2: a row must be a JSON object .*got list"):
+        Dataset(DatasetMeta(dataset_id=str(lines)))

@@ -175,8 +175,9 @@ def test_group_accumulation_default_and_step_gating():
     assert model.state.step == 1 and model.calculate_metric()["grad_norm"] == pytest.approx(norm)
     model.forward_backward(inputs=feats)
     model.forward_backward(inputs=feats)
-    model.zero_grad()  # drops the pending gradients: nothing to step
-    model.step()
+    model.zero_grad()  # drops the pending gradients: nothing to step, which step() says
+    with pytest.raises(ValueError, match="no accumulated micro-batch"):
+        model.step()
     assert model.state.step == 1
 
 

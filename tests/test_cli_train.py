@@ -1,5 +1,7 @@
 """`twinkle train` end to end on CPU: outputs, learning, and bad input."""
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -62,10 +64,45 @@ def test_bad_rows_are_named(tmp_path, capsys):
     assert "bad.jsonl:2" in err and "messages" in err and "text" in err
 
 
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", r"empty\.jsonl: no rows \(the file is empty or blank\)"),
+        (b'{"text": "ok"}\n\x1f\x8b\x08\x00', r"empty\.jsonl:2: not UTF-8 text \(byte 0x8b"),
+    ],
+)
+def test_empty_or_binary_data_file_is_named_before_training(tmp_path, capsys, content, match):
+    data = tmp_path / "empty.jsonl"
+    data.write_bytes(content)
+    assert main(["train", "--data", str(data), "--output-dir", str(tmp_path / "o")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
+
+
 def test_non_numeric_lr_is_named(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--lr", "fast"])
     assert "--lr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--lr", "0"], "--lr must be a positive finite number, got 0.0: .*--lr 3e-3"),
+        (
+            ["--warmup-steps", "50", "--steps", "3"],
+            r"--warmup-steps 50 must be < --steps 3: .*lower --warmup-steps \(e.g. 0\) or raise",
+        ),
+        (["--warmup-steps", "3", "--steps", "3"], "--warmup-steps 3 must be < --steps 3"),
+        (["--weight-decay", "-1"], r"--weight-decay must be a finite number >= 0, got -1.0"),
+    ],
+)
+def test_zero_lr_and_warmup_past_the_run_are_refused_before_training(args, match, tmp_path, capsys):
+    """The library's policy (an lr <= 0 and a warmup not shorter than the schedule are refused):
+    the warmup was silently clamped to steps - 1 before."""
+    assert main(["train", *args, "--no-progress", "--output-dir", str(tmp_path / "o")]) == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
 
 
 def test_model_without_tokenizer_is_named(run_dir, tmp_path, capsys):
@@ -81,19 +118,75 @@ def test_batch_larger_than_data_is_named(tmp_path, capsys):
     assert "--batch-size" in capsys.readouterr().err
 
 
+def _train_counting_tokens(out, *mesh):
+    """`twinkle train` (4 steps, `mesh` args) on this rank, counting the tokens it feeds to
+    tf.fwd_bwd; returns the exit code, that count and what it printed."""
+    import twinkle_fn
+
+    fed = []
+    fwd_bwd = twinkle_fn.fwd_bwd
+
+    def counting(state, batch, **kwargs):
+        fed.append(batch["input_ids"].numel())  # packed: [1, tokens of the micro-batch]
+        return fwd_bwd(state, batch, **kwargs)
+
+    twinkle_fn.fwd_bwd = counting
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["train", *SMALL, "--steps", "4", *mesh, "--output-dir", str(out)])
+    twinkle_fn.fwd_bwd = fwd_bwd
+    return code, sum(fed), printed.getvalue()
+
+
 def _train_on_two_ranks(out):
-    args = ["train", *SMALL, "--steps", "4", "--mesh", "fsdp=2", "--output-dir", str(out)]
-    return main(args)
+    """What `torchrun --nproc-per-node 2 -m twinkle.cli train` runs, without and with
+    ``--mesh fsdp=2``."""
+    return [
+        _train_counting_tokens(out / "dp"),
+        _train_counting_tokens(out / "fsdp", "--mesh", "fsdp=2"),
+    ]
 
 
-def test_two_ranks_under_a_launcher(tmp_path):
-    """What `torchrun --nproc-per-node 2 -m twinkle.cli train --mesh fsdp=2` runs, on gloo."""
+def test_two_ranks_under_a_launcher_split_every_batch(tmp_path):
+    """2 gloo ranks, without --mesh (data parallel over the world, said at the start) and with
+    fsdp=2. Each rank feeds only its slice of every batch (before: the whole batch on each rank,
+    a replica with twice the compute), the two slices are the one-process run's tokens, and the
+    weights are the one-process run's (float32: the same sums in another order over 4 Adam
+    steps; observed max difference 1.2e-7, one ulp of the norm weights ~1.0)."""
     from twinkle_fn.testing_dist import spawn
 
-    assert spawn(_train_on_two_ranks, 2, tmp_path) == [0, 0]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["heldout_loss_after"] < summary["heldout_loss_before"]
-    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
+    ranks = spawn(_train_on_two_ranks, 2, tmp_path)
+    one = _train_counting_tokens(tmp_path / "one")
+    assert one[0] == 0 and "no --mesh given" not in one[2]
+    assert "no --mesh given; data parallel over the world: dp=2" in ranks[0][0][2]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "checkpoint").state_dict()
+    for run, name in enumerate(["dp", "fsdp"]):
+        codes, fed = [r[run][0] for r in ranks], [r[run][1] for r in ranks]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert codes == [0, 0] and summary["steps"] == 4
+        assert summary["heldout_loss_after"] < summary["heldout_loss_before"]
+        assert sum(fed) == one[1] == summary["train_tokens"] and 0 < min(fed) < 0.6 * one[1]
+        two = AutoModelForCausalLM.from_pretrained(tmp_path / name / "checkpoint").state_dict()
+        for key, weight in ref.items():
+            torch.testing.assert_close(two[key], weight, rtol=0, atol=1e-6)
+
+
+def test_fewer_samples_per_data_rank_than_micro_batches_is_named(tmp_path, capsys):
+    args = ["train", "--batch-size", "2", "--micro-batches", "3", "--output-dir", str(tmp_path)]
+    assert main(args) == 2
+    assert (
+        "--batch-size 2 over 1 data ranks (one process) leaves 2 samples per rank, fewer "
+        "than --micro-batches 3; raise --batch-size to at least 3" in capsys.readouterr().err
+    )
+
+
+def test_max_length_past_the_models_positions_is_refused(tmp_path, capsys):
+    """The tiny default model has 512 positions; before, --max-length 600 was taken as is."""
+    assert main(["train", "--max-length", "600", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        "--max-length 600 exceeds the model's max_position_embeddings (512); pass "
+        "--max-length 512 or less" in capsys.readouterr().err
+    )
 
 
 def test_bad_mesh_is_named(capsys):

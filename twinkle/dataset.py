@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import os
 import uuid
@@ -25,7 +26,7 @@ from twinkle.hub import HubOperation
 from twinkle.infra import remote_class, remote_function
 from twinkle.preprocessor import DataFilter, Preprocessor
 from twinkle.template import Template
-from twinkle_fn.data import pack_greedy
+from twinkle_fn.data import pack_greedy, read_text
 
 Row = dict[str, Any]
 # datasets.map's default batch size, which upstream keeps
@@ -72,18 +73,31 @@ class DatasetMeta:
 class Dataset:
     """An in-memory list of rows with upstream's transformations.
 
-    Raises ``ValueError`` when the meta names a file that does not exist, or a hub dataset while
-    the ``datasets`` package is missing; ``HubUnavailableError`` for ``ms://`` ids.
+    Raises ``ValueError`` when the meta names a file that does not exist, is not UTF-8 text
+    (naming its line) or has no rows, or a hub dataset while the ``datasets`` package is
+    missing; ``HubUnavailableError`` for ``ms://`` ids. Errors about a row (invalid JSON, not
+    an object, a missing field at `encode`) name its file and line.
     """
 
     def __init__(self, dataset_meta: DatasetMeta | None = None, **load_kwargs: Any) -> None:
-        self.rows: list[Row] = _load(dataset_meta, load_kwargs) if dataset_meta else []
+        self.rows: list[Row] = []
+        # Where each row came from (``file:line``, ``data[i]``), for the errors that name a row;
+        # dropped when a map changes the row count.
+        self._origins: list[str] = []
         self.template: Template | None = None
+        if dataset_meta:
+            self._add(dataset_meta, load_kwargs)
 
     @remote_function(execute="first")
     def add_dataset(self, dataset_meta: DatasetMeta, **load_kwargs: Any) -> None:
         """Append the rows of another source."""
-        self.rows.extend(_load(dataset_meta, load_kwargs))
+        self._add(dataset_meta, load_kwargs)
+
+    def _add(self, dataset_meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> None:
+        rows, origins = _load(dataset_meta, load_kwargs)
+        aligned = self._aligned()
+        self.rows.extend(rows)
+        self._origins = [*self._origins, *origins] if aligned else []
 
     @remote_function(execute="first")
     def set_template(self, template_cls: Template | type | str = "Template", **kwargs: Any) -> None:
@@ -113,9 +127,10 @@ class Dataset:
         fn = make_callable(preprocess_func, Preprocessor, init_args)
         remove = map_kwargs.get("remove_columns") or ()
         remove = {remove} if isinstance(remove, str) else set(remove)
-        self.rows = _map_batched(
-            fn, self.rows, map_kwargs.get("batch_size", MAP_BATCH_SIZE), remove
-        )
+        rows = _map_batched(fn, self.rows, map_kwargs.get("batch_size", MAP_BATCH_SIZE), remove)
+        if len(rows) != len(self.rows):
+            self._origins = []
+        self.rows = rows
 
     @remote_function(execute="first")
     def filter(
@@ -131,15 +146,44 @@ class Dataset:
         the name of one in `twinkle.preprocessor`.
         """
         fn = make_callable(filter_func, DataFilter, init_args)
-        self.rows = [row for row in self.rows if fn(row)]
+        self._keep([bool(fn(row)) for row in self.rows], self.rows)
 
     @remote_function(execute="first")
     def encode(self, add_generation_prompt: bool = False, **kwargs: Any) -> None:
         """Encode every row with the template (rows the truncation strategy deletes are dropped).
 
-        Raises ``ValueError`` when no template is set, and the template's errors.
+        Raises ``ValueError`` when no template is set, and the template's errors (a row without
+        ``messages``...) naming the row and where it came from (``file:line``).
         """
-        self.rows = self._require_template().batch_encode(self.rows, add_generation_prompt)
+        template = self._require_template()
+        rows = [
+            self._encode_row(template, i, row, add_generation_prompt)
+            for i, row in enumerate(self.rows)
+        ]
+        self._keep([row is not None for row in rows], rows)
+
+    def _encode_row(
+        self, template: Template, index: int, row: Row, add_generation_prompt: bool
+    ) -> Row | None:
+        """`template.encode` of row `index`; its ``ValueError`` / ``TypeError`` are raised again
+        naming the row (``row 3 (data.jsonl:4): ...``)."""
+        try:
+            return template.encode(row, add_generation_prompt)
+        except (ValueError, TypeError) as e:
+            origin = f" ({self._origins[index]})" if self._aligned() else ""
+            kind = ValueError if isinstance(e, ValueError) else TypeError
+            raise kind(f"row {index}{origin}: {e}") from e
+
+    def _keep(self, keep: list[bool], rows: list[Any]) -> None:
+        """The rows become those of `rows` (one per current row) where `keep` is true, with
+        their origins."""
+        if self._aligned():
+            self._origins = [o for o, k in zip(self._origins, keep, strict=True) if k]
+        self.rows = [row for row, k in zip(rows, keep, strict=True) if k]
+
+    def _aligned(self) -> bool:
+        """Whether `_origins` still names every row (a map that changed the count drops it)."""
+        return len(self._origins) == len(self.rows)
 
     def _require_template(self) -> Template:
         if self.template is None:
@@ -202,7 +246,9 @@ class LazyDataset(Dataset):
         for fn in self._map_ops:
             row = _apply_to_row(fn, row)
         if self.do_encode:
-            encoded = self._require_template().encode(row, self.add_generation_prompt)
+            template = self._require_template()
+            encoded = self._encode_row(template, index, row, self.add_generation_prompt)
+            assert encoded is not None  # encode() refused the 'delete' strategy
             row = {**row, **encoded}
         return row
 
@@ -365,13 +411,19 @@ def _apply_to_row(fn: Callable, row: Row) -> Row:
     return new[0]
 
 
-def _load(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> list[Row]:
+def _load(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
+    """The rows of `meta` and where each came from (``file:line``, ``data[i]``, ``id[i]``)."""
     if not isinstance(meta, DatasetMeta):
         raise TypeError(f"dataset_meta must be a DatasetMeta, got {type(meta).__name__}")
-    rows = _rows(meta.data) if meta.data is not None else _from_id(meta, load_kwargs)
+    if meta.data is not None:
+        rows = _rows(meta.data)
+        origins = [f"DatasetMeta.data[{i}]" for i in range(len(rows))]
+    else:
+        rows, origins = _from_id(meta, load_kwargs)
     if meta.data_slice is not None and rows:
-        rows = [rows[i % len(rows)] for i in meta.data_slice]
-    return rows
+        picked = [i % len(rows) for i in meta.data_slice]
+        rows, origins = [rows[i] for i in picked], [origins[i] for i in picked]
+    return rows, origins
 
 
 def _rows(data: Any) -> list[Row]:
@@ -391,13 +443,14 @@ def _rows(data: Any) -> list[Row]:
     return rows
 
 
-def _from_id(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> list[Row]:
+def _from_id(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> tuple[list[Row], list[str]]:
     path = Path(os.path.expanduser(meta.dataset_id))
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in FILE_TYPES)
         if not files:
             raise ValueError(f"directory {path} has no {', '.join(FILE_TYPES)} files")
-        return [row for file in files for row in _read_file(file)]
+        read = [_read_file(file) for file in files]
+        return [r for rows, _ in read for r in rows], [o for _, origins in read for o in origins]
     if path.suffix in FILE_TYPES:
         if not path.is_file():
             raise ValueError(f"dataset file {path} does not exist")
@@ -405,33 +458,58 @@ def _from_id(meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> list[Row]:
     loaded = HubOperation.load_dataset(
         meta.dataset_id, meta.subset_name, meta.split, **dict(load_kwargs)
     )
-    return _rows(loaded)
+    rows = _rows(loaded)
+    return rows, [f"{meta.dataset_id}[{i}]" for i in range(len(rows))]
 
 
-def _read_file(path: Path) -> list[Row]:
-    """The rows of a local file, by extension, as upstream's ``datasets`` loaders read them."""
-    with open(path, encoding="utf-8", newline="" if path.suffix == ".csv" else None) as f:
-        if path.suffix == ".csv":
-            # strings as written: upstream loads csv with na_filter=False
-            return [dict(row) for row in csv.DictReader(f)]
-        if path.suffix == ".txt":
-            return [{"text": line.rstrip("\n")} for line in f]
-        text = f.read()
+def _read_file(path: Path) -> tuple[list[Row], list[str]]:
+    """The rows of a local file, by extension, as upstream's ``datasets`` loaders read them,
+    and where each starts (``file:line``; ``file[i]`` for a JSON document).
+
+    Raises ``ValueError`` naming the file (and line) for bytes that are not UTF-8, invalid
+    JSON lines, and a file without rows.
+    """
+    text = read_text(path)
+    if path.suffix == ".csv":
+        # strings as written: upstream loads csv with na_filter=False
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        found = [(dict(row), f"{path}:{reader.line_num}") for row in reader]
+        rows, origins = [row for row, _ in found], [origin for _, origin in found]
+    elif path.suffix == ".txt":
+        lines = io.StringIO(text, newline=None)
+        rows = [{"text": line.rstrip("\n")} for line in lines]
+        origins = [f"{path}:{n}" for n in range(1, len(rows) + 1)]
+    else:
+        rows, origins = _json_rows(text, path)
+    if not rows:
+        raise ValueError(
+            f"dataset file {path} has no rows (it is empty or blank); add rows or leave the "
+            "file out"
+        )
+    return rows, origins
+
+
+def _json_rows(text: str, path: Path) -> tuple[list[Row], list[str]]:
+    """A ``.json`` file's rows (a list of rows, a dict of columns, or JSON lines), or a
+    ``.jsonl`` file's."""
     if path.suffix == ".json":
         try:
             whole = json.loads(text)
         except json.JSONDecodeError:
             whole = None  # not one document: JSON lines, which the json loader also reads
         if isinstance(whole, list):
-            return _rows(whole)
+            rows = _rows(whole)
+            return rows, [f"{path}[{i}]" for i in range(len(rows))]
         if isinstance(whole, dict):
-            return _rows_of(whole, f"{path} (a dict of columns)")
+            rows = _rows_of(whole, f"{path} (a dict of columns)")
+            return rows, [f"{path}[{i}]" for i in range(len(rows))]
     return _json_lines(text, path)
 
 
-def _json_lines(text: str, path: Path) -> list[Row]:
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+def _json_lines(text: str, path: Path) -> tuple[list[Row], list[str]]:
+    rows, origins = [], []
+    # split at "\n" only: str.splitlines would also split inside a JSON string at U+2028 etc.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -439,6 +517,10 @@ def _json_lines(text: str, path: Path) -> list[Row]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
         if not isinstance(row, dict):
-            raise TypeError(f"{path}:{lineno}: a row must be a JSON object")
+            raise TypeError(
+                f'{path}:{lineno}: a row must be a JSON object ({{"field": value, ...}}), got '
+                f"{type(row).__name__}"
+            )
         rows.append(row)
-    return rows
+        origins.append(f"{path}:{lineno}")
+    return rows, origins

@@ -12,6 +12,11 @@ rate, exactly as Megatron's ``get_lr`` does at ``num_steps``:
   ``wsd_decay_steps`` steps before ``decay_steps`` (warmup-stable-decay);
 - ``inverse-square-root`` is ``max(min_lr, peak_lr * sqrt(max(warmup_steps, 1) / max(step, 1)))``.
 
+The constant or peak lr (``lr``, ``peak_lr``, ``max_lr``) must be > 0: an lr of 0 trains nothing.
+The warmup must be shorter than the schedule (``warmup_steps < decay_steps``): a longer one never
+reaches its peak. Both are refused, naming the values and the fix; so are the optimizers' constant
+lrs (`twinkle_fn.optim.base.check_lr`).
+
 Megatron's per-param-group ``max_lr``/``min_lr`` overrides are just a second schedule built with
 those values. Schedules are frozen dataclasses: picklable, comparable and printable.
 """
@@ -24,7 +29,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from twinkle_fn.optim.base import Schedule
+from twinkle_fn.optim.base import Schedule, check_positive_lr
 
 MEGATRON_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -97,7 +102,7 @@ def constant(lr: float, warmup_steps: int = 0, init_lr: float = 0.0) -> Schedule
 
     Raises ``ValueError`` for a negative or non-numeric lr or step count, or ``init_lr > lr``.
     """
-    lr, init_lr = _lr("lr", lr), _lr("init_lr", init_lr)
+    lr, init_lr = _peak_lr("lr", lr), _lr("init_lr", init_lr)
     warmup_steps = _steps("warmup_steps", warmup_steps)
     _at_most("init_lr", init_lr, "lr", lr)
     return LRSchedule("constant", lr, 0.0, warmup_steps, None, init_lr)
@@ -177,7 +182,7 @@ def inverse_sqrt(
     if decay_steps is not None:
         return _decaying("inverse-square-root", peak_lr, warmup_steps, decay_steps, init_lr, min_lr)
     peak_lr, init_lr, min_lr = (
-        _lr("peak_lr", peak_lr),
+        _peak_lr("peak_lr", peak_lr),
         _lr("init_lr", init_lr),
         _lr("min_lr", min_lr),
     )
@@ -207,7 +212,8 @@ def megatron(
     """
     if lr_decay_style not in MEGATRON_STYLES:
         raise ValueError(f"lr_decay_style must be one of {MEGATRON_STYLES}, got {lr_decay_style!r}")
-    max_lr, min_lr, init_lr = _lr("max_lr", max_lr), _lr("min_lr", min_lr), _lr("init_lr", init_lr)
+    max_lr = _peak_lr("max_lr", max_lr)
+    min_lr, init_lr = _lr("min_lr", min_lr), _lr("init_lr", init_lr)
     lr_warmup_steps = _steps("lr_warmup_steps", lr_warmup_steps)
     lr_decay_steps = _steps("lr_decay_steps", lr_decay_steps)
     _below("lr_warmup_steps", lr_warmup_steps, "lr_decay_steps", lr_decay_steps)
@@ -244,7 +250,7 @@ def _decaying(
 ) -> LRSchedule:
     """A checked schedule of a style that falls to `min_lr` at `decay_steps`."""
     peak_lr, init_lr, min_lr = (
-        _lr("peak_lr", peak_lr),
+        _peak_lr("peak_lr", peak_lr),
         _lr("init_lr", init_lr),
         _lr("min_lr", min_lr),
     )
@@ -266,6 +272,12 @@ def _lr(name: str, value: Any) -> float:
     return value
 
 
+def _peak_lr(name: str, value: Any) -> float:
+    """`value` as a float, checked as `_lr` and to be > 0 (`check_positive_lr`): the schedule's
+    constant or peak lr."""
+    return check_positive_lr(name, _lr(name, value))
+
+
 def _steps(name: str, value: Any) -> int:
     """`value` as an int, checked to be an integer >= 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -281,5 +293,9 @@ def _at_most(name: str, value: float, bound_name: str, bound: float | None) -> N
 
 
 def _below(name: str, value: int, bound_name: str, bound: int) -> None:
+    """Raises ``ValueError`` unless warmup length `value` < schedule length `bound`."""
     if value >= bound:
-        raise ValueError(f"{name} ({value}) must be < {bound_name} ({bound})")
+        raise ValueError(
+            f"{name} ({value}) must be < {bound_name} ({bound}): the warmup would outlast the "
+            f"schedule; lower {name} or raise {bound_name}"
+        )

@@ -134,6 +134,14 @@ def test_schedule_accepts_a_count_tensor_and_pickles():
             r"warmup_steps \(10\) must be < decay_steps",
         ),
         (lambda: schedules.warmup_linear(1e-3, 5, 5), r"warmup_steps \(5\) must be < decay_steps"),
+        (
+            lambda: schedules.warmup_cosine(1e-3, 50, 10),
+            r"warmup_steps \(50\) must be < decay_steps \(10\): the warmup would outlast the "
+            "schedule; lower warmup_steps or raise decay_steps",
+        ),
+        (lambda: schedules.constant(0.0), r"^lr must be > 0, got 0.0: a learning rate of 0"),
+        (lambda: schedules.warmup_cosine(0, 0, 10), r"^peak_lr must be > 0, got 0.0"),
+        (lambda: schedules.megatron("linear", 0.0, 0.0, 0, 10), r"^max_lr must be > 0"),
         (lambda: schedules.warmup_linear(1e-3, 0, -3), "decay_steps must be >= 0"),
         (lambda: schedules.warmup_cosine(1e-3, 1.5, 10), "warmup_steps must be an integer"),
         (lambda: schedules.warmup_cosine(1e-3, 0, 10, min_lr=1e-2), "min_lr .* must be <= peak_lr"),

@@ -33,6 +33,10 @@ class Pending:
     last_step: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Calls to `add`, not the core's count: a megatron pipeline splits each call further.
     micro_batches: int = 0
+    # Whether an update consumed the micro-batches added since the last update: a later `step`
+    # finds nothing new and is a no-op, not an error (upstream's clip_grad_norm / step loop
+    # after `MegatronModel.clip_grad_norm` made the update).
+    updated: bool = False
 
     def add(
         self,
@@ -49,7 +53,18 @@ class Pending:
         ``[batch, seq]`` of backends whose forward yields them (megatron's)."""
         self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads, loss=loss)
         self.micro_batches += counts
+        self.updated = False
         return aux
+
+    def check_any(self, call: str) -> None:
+        """Raises ``ValueError`` when `call` (a step) finds no micro-batch: none added since the
+        last update (which did not consume any) or since `clear`."""
+        if self.micro_batches == 0 and not self.updated:
+            raise ValueError(
+                f"{call}() found no accumulated micro-batch: nothing to update since the last "
+                "step or zero_grad; call forward_backward(inputs=...) (or forward + backward) "
+                "before it"
+            )
 
     def due(self, accumulation_steps: int) -> bool:
         """Whether the pending gradients hold (at least) the micro-batches of one step."""
@@ -68,6 +83,7 @@ class Pending:
         assert self.grads is not None
         state, info = tf.step(state, self.grads, on_nonfinite="raise")
         self.clear()
+        self.updated = True
         self.last_step = {
             "loss": info["loss"],
             "grad_norm": info["grad_norm"],

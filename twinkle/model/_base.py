@@ -6,10 +6,12 @@ update comes once exactly ``gradient_accumulation_steps`` micro-batches are pend
 checkpoints, templates and processors work the same way. A subclass says how it differs:
 
 - ``_ensure_state(g)`` builds (or brings back) group `g`'s train state, ``_update(g)`` makes
-  one update from its pending gradients;
+  one update from its pending gradients, ``_transform(g)`` is the optimizer its settings give
+  (`_renew_optimizer` puts a new one into a built state);
 - ``_check_clip`` refuses the clipping it does not do (base: a norm other than L2);
 - ``_REFUSED`` names the features it refuses and why (`_check_supported`, the one place each
-  is refused); ``_built`` says when its settings are frozen;
+  is refused); ``_built`` says when the states exist (adapters come before; an optimizer
+  chosen after is put in by `_renew_optimizer`);
 - ``_config_lines`` adds its own lines to `get_train_configs`.
 
 The ``remote_function`` policies recorded here hold for the subclasses (the Ray engine finds
@@ -19,6 +21,7 @@ inherited methods too); the subclasses carry ``remote_class``.
 from __future__ import annotations
 
 import abc
+import numbers
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -34,6 +37,7 @@ from twinkle.model._inputs import Batch
 from twinkle.processor import InputProcessor
 from twinkle_fn.export import DEFAULT_BUCKET_BYTES
 from twinkle_fn.lora import PEFT_PREFIX
+from twinkle_fn.optim import GradientTransformation
 
 
 class TrainableModel(abc.ABC):
@@ -78,23 +82,45 @@ class TrainableModel(abc.ABC):
         where the class clips itself); records ``g.pending.last_step``."""
 
     @abc.abstractmethod
+    def _transform(self, g: _group.Group) -> GradientTransformation:
+        """The optimizer transform of group `g`'s settings (optimizer and lr schedule)."""
+
+    @abc.abstractmethod
     def _config_lines(self) -> list[str]:
         """This class's own lines of `get_train_configs`."""
 
     def _built(self) -> bool:
-        """Whether the train states exist (settings made before them are frozen then)."""
+        """Whether the train states exist (adapters can no longer be added then)."""
         return self._groups.built
 
     def _check_clip(self, g: _group.Group, max_grad_norm: float, norm_type: float) -> None:
-        """Raises ``ValueError`` for a clipping this class does not do: a norm other than L2."""
+        """Raises ``ValueError`` for a clipping this class does not do: a norm other than L2,
+        a `max_grad_norm` that is not a positive number (inf: no clipping)."""
         if norm_type != 2:
             raise ValueError(f"norm_type={norm_type}: gradient clipping is by the L2 norm only")
+        positive = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+        if not positive or not max_grad_norm > 0:
+            raise ValueError(
+                f"max_grad_norm must be a positive number, got {max_grad_norm!r}; pass e.g. "
+                "max_grad_norm=1.0, or math.inf not to clip"
+            )
 
     def _check_supported(self, feature: str, context: str) -> None:
         """Raises ``ValueError`` (`context`, then why) when this class refuses `feature`."""
         why = self._REFUSED.get(feature)
         if why is not None:
             raise ValueError(f"{context}: {why}")
+
+    def _renew_optimizer(self, g: _group.Group) -> None:
+        """Once group `g`'s state is built (by a forward, or an update): give it a new
+        optimizer from its settings (`_transform`), with a fresh optimizer state (moments at
+        zero, the schedule counted from this point) over its current weights. Before that,
+        nothing: the state is built with the settings when first needed."""
+        if not self._built():
+            return
+        state = self._ensure_state(g)
+        tx = self._transform(g)
+        g.state = state.replace(tx=tx, opt_state=tx.init(state.params))
 
     def _check_unbuilt(self, what: str) -> None:
         """Raises ``ValueError`` once the train states are built: `what` must come first."""
@@ -145,9 +171,12 @@ class TrainableModel(abc.ABC):
         the gradients clipped to `max_grad_norm`; returns their global norm before clipping,
         or None while still accumulating. Raises ``ValueError`` for a clipping the class does
         not do (a norm other than L2; on `MegatronModel` a `max_grad_norm` other than its
-        optimizer's ``clip_grad``), checked on every call."""
+        optimizer's ``clip_grad``), checked on every call, for a bad
+        `gradient_accumulation_steps`, and when no micro-batch was accumulated since the last
+        step or ``zero_grad`` (a call after an update that consumed them returns None)."""
         g = self._resolve(adapter_name)
         self._check_clip(g, max_grad_norm, norm_type)
+        g.pending.check_any("clip_grad_and_step")
         if not self._due(g, gradient_accumulation_steps):
             return None
         g.pending.clip = max_grad_norm
@@ -163,14 +192,18 @@ class TrainableModel(abc.ABC):
     ) -> None:
         """On a step boundary (exactly `gradient_accumulation_steps` micro-batches pending,
         not yet consumed by an update): one optimizer update from the pending gradients,
-        normalised by all their tokens; otherwise nothing. Raises ``ValueError`` for options
-        such as ``optim_params`` (set them with `set_optimizer`)."""
+        normalised by all their tokens; otherwise nothing (also after an update that consumed
+        them, as `MegatronModel.clip_grad_norm` makes). Raises ``ValueError`` for options such
+        as ``optim_params`` (set them with `set_optimizer`), for a bad
+        `gradient_accumulation_steps`, and when no micro-batch was accumulated since the last
+        step or ``zero_grad`` (upstream's torch optimizer would skip the update silently)."""
         if kwargs:
             raise ValueError(
                 f"step() options {sorted(kwargs)} are not supported; call set_optimizer(...) "
                 "to change the learning rate or weight decay"
             )
         g = self._resolve(adapter_name)
+        g.pending.check_any("step")
         if self._due(g, gradient_accumulation_steps):
             self._update(g)
 
@@ -191,8 +224,9 @@ class TrainableModel(abc.ABC):
         self, adapter_name: str | None = None, gradient_accumulation_steps: int | None = None
     ) -> None:
         """Nothing to do: the schedule is a function of the update count, so each update
-        already moves the learning rate on (as a torch scheduler stepped after it would)."""
-        self._resolve(adapter_name)
+        already moves the learning rate on (as a torch scheduler stepped after it would).
+        Raises ``ValueError`` for a bad `gradient_accumulation_steps`."""
+        _group.accumulation_steps(self._resolve(adapter_name), gradient_accumulation_steps)
 
     @remote_function(collect="first")
     def calculate_metric(self, is_training: bool = True, adapter_name: str | None = None) -> dict:
@@ -279,8 +313,10 @@ class TrainableModel(abc.ABC):
         adapter is a peft directory (``adapter_config.json``, ``adapter_model.safetensors``,
         tokenizer), plus with `save_optimizer` a ``train_state/`` checkpoint to resume from.
         Every rank must call it. Raises ``ValueError`` for an unknown adapter, and for
-        `save_optimizer` with an adapter where the class refuses it (`MegatronModel`).
+        `save_optimizer` with an adapter where the class refuses it (`MegatronModel`), and an
+        `interval` that is not a positive int (before anything is built or written).
         """
+        _checkpoint.check_interval(interval)
         g = self._resolve(adapter_name)
         if g.name and save_optimizer:
             context = f"save_optimizer=True with adapter {g.name!r}"

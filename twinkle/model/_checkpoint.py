@@ -28,11 +28,20 @@ def save_path(
     state: tf.TrainState, name: str | None, output_dir: str | os.PathLike[str] | None, interval: int
 ) -> Path | None:
     """``output_dir/name`` (default ``output/checkpoint-step-<steps>``), or None when the step
-    count is not a multiple of `interval`."""
+    count is not a multiple of `interval` (a positive int: `check_interval`)."""
     steps = int(state.step)
     if steps % interval:
         return None
     return Path(output_dir or "output") / (name or f"checkpoint-step-{steps}")
+
+
+def check_interval(interval: Any) -> None:
+    """Raises ``ValueError`` unless `interval` (save every `interval` steps) is a positive int."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(
+            f"save(interval={interval!r}): interval must be a positive int (save when the step "
+            "count is a multiple of it); pass interval=1 to save on every call"
+        )
 
 
 def save(

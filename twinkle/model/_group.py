@@ -184,11 +184,18 @@ def set_scheduler(g: Group, scheduler_cls: Any, kwargs: dict[str, Any]) -> None:
 
 
 def accumulation_steps(g: Group, gradient_accumulation_steps: int | None) -> int:
-    """`gradient_accumulation_steps`, else the group's. Raises ``ValueError`` unless it is a
-    positive int."""
-    gas = gradient_accumulation_steps or g.gradient_accumulation_steps
+    """`gradient_accumulation_steps`, else (None) the group's. Raises ``ValueError`` unless it
+    is a positive int (0 is refused, not read as "the default")."""
+    gas = (
+        g.gradient_accumulation_steps
+        if gradient_accumulation_steps is None
+        else (gradient_accumulation_steps)
+    )
     if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
-        raise ValueError(f"gradient_accumulation_steps must be a positive int, got {gas!r}")
+        raise ValueError(
+            f"gradient_accumulation_steps must be a positive int (micro-batches per optimizer "
+            f"step), got {gas!r}; pass 1 to step after every forward_backward"
+        )
     return gas
 
 

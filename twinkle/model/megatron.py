@@ -1,7 +1,9 @@
 """`MegatronModel`: upstream Twinkle's Megatron class over the core's megatron backend.
 
-The object holds a `TrainState` of a ``backend="megatron"`` model (built lazily, so the optimizer
-and scheduler are set first) and the pending `Grads` (views of megatron's DDP grad buffers):
+The object holds a `TrainState` of a ``backend="megatron"`` model (built on first use; the
+optimizer and scheduler may be set before or after, a later choice building a new megatron
+optimizer over the current weights) and the pending `Grads` (views of megatron's DDP grad
+buffers):
 
 - ``forward_backward`` = ``tf.fwd_bwd(state, batch, accum=pending)`` (megatron's schedule runs
   forward and backward together);
@@ -50,6 +52,7 @@ from twinkle.model import _accumulate, _build, _group, _inputs, optim
 from twinkle.model._base import TrainableModel
 from twinkle.processor import unpack
 from twinkle_fn.models.model import resolve_model_dir
+from twinkle_fn.optim import GradientTransformation
 
 OPTIMIZERS = ("default", "MegatronDistributedOptimizer")
 SCHEDULERS = ("default", "OptimizerParamScheduler")
@@ -211,9 +214,13 @@ class MegatronModel(TrainableModel):
         if self._parked is not None:
             g.state, self._parked = tf.reload(self._parked), None
         if g.state is None:
-            tx = tf.optim.megatron_optimizer(_group.learning_rate(g), **g.optimizer.kwargs)
-            g.state = tf.init(self._model, tx, self.device_mesh.mesh, seed=self._seed)
+            g.state = tf.init(
+                self._model, self._transform(g), self.device_mesh.mesh, seed=self._seed
+            )
         return g.state
+
+    def _transform(self, g: _group.Group) -> GradientTransformation:
+        return tf.optim.megatron_optimizer(_group.learning_rate(g), **g.optimizer.kwargs)
 
     def _built(self) -> bool:
         return self._parked is not None or super()._built()
@@ -354,20 +361,25 @@ class MegatronModel(TrainableModel):
     @remote_function()
     def set_optimizer(self, optimizer_cls: Any, **kwargs: Any) -> None:
         """Use megatron's distributed optimizer ('default' / 'MegatronDistributedOptimizer')
-        with upstream's arguments (see `optimizer_spec`). Raises ``ValueError`` for any other
-        optimizer, naming the accepted ones, and after the first forward_backward."""
+        with upstream's arguments (see `optimizer_spec`). Any time: before the first forward,
+        after `forward_only` calls (evaluate, or serve as a reference, before choosing), or
+        between steps. A state that already exists gets a new megatron optimizer built over
+        its current weights, with a fresh optimizer state (zero Adam moments, the schedule
+        counted from here); the weights stay. Raises ``ValueError`` for any other optimizer,
+        naming the accepted ones, and for bad values, before changing anything."""
         g = self._resolve(kwargs.pop("adapter_name", None))
-        spec = optimizer_spec(optimizer_cls, **kwargs)
-        self._check_unbuilt("set_optimizer")
-        g.optimizer = spec
+        g.optimizer = optimizer_spec(optimizer_cls, **kwargs)
+        self._renew_optimizer(g)
 
     @remote_function()
     def set_lr_scheduler(self, scheduler_cls: Any, **kwargs: Any) -> None:
         """Schedule the lr as megatron's ``OptimizerParamScheduler`` ('default' /
         'OptimizerParamScheduler'; ``lr_decay_steps``, ``lr_warmup_steps``, ``lr_decay_style``,
         ``max_lr`` (default the optimizer's lr), ``min_lr``, ...), counted in optimizer steps.
-        Raises ``ValueError`` for any other scheduler, naming the accepted ones, for values
-        megatron rejects, and after the first forward_backward."""
+        Any time, as `set_optimizer`: megatron's optimizer holds its schedule, so on a built
+        state this builds a new optimizer (fresh moments, the schedule counted from here).
+        Raises ``ValueError`` for any other scheduler, naming the accepted ones, and for values
+        megatron rejects, before changing anything."""
         g = self._resolve(kwargs.pop("adapter_name", None))
         if optim._name(scheduler_cls) not in SCHEDULERS:
             raise ValueError(
@@ -375,8 +387,8 @@ class MegatronModel(TrainableModel):
                 f"schedules with OptimizerParamScheduler only; pass one of "
                 f"{', '.join(map(repr, SCHEDULERS))}"
             )
-        self._check_unbuilt("set_lr_scheduler")
         _group.set_scheduler(g, scheduler_cls, kwargs)
+        self._renew_optimizer(g)
 
 
 _TOGETHER = (

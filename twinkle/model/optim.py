@@ -127,11 +127,28 @@ def _cosine_warmup(
 ) -> Schedule:
     if num_cycles != 0.5:
         raise ValueError(f"CosineWarmupScheduler(num_cycles={num_cycles}) supports 0.5 only")
+    _check_warmup(num_warmup_steps, num_training_steps)
     return tf.schedules.warmup_cosine(lr, num_warmup_steps, num_training_steps)
 
 
 def _linear_warmup(lr: float, num_warmup_steps: int, num_training_steps: int) -> Schedule:
+    _check_warmup(num_warmup_steps, num_training_steps)
     return tf.schedules.warmup_linear(lr, num_warmup_steps, num_training_steps)
+
+
+def _check_warmup(num_warmup_steps: Any, num_training_steps: Any) -> None:
+    """Raises ``ValueError`` when the warmup is not shorter than the run (in upstream's names;
+    the core checks the types and signs)."""
+    ints = all(
+        isinstance(n, int) and not isinstance(n, bool)
+        for n in (num_warmup_steps, num_training_steps)
+    )
+    if ints and num_warmup_steps >= num_training_steps:
+        raise ValueError(
+            f"num_warmup_steps ({num_warmup_steps}) must be < num_training_steps "
+            f"({num_training_steps}): the warmup would outlast the run and never reach the "
+            "optimizer's lr; lower num_warmup_steps or raise num_training_steps"
+        )
 
 
 def _param_scheduler(
@@ -185,12 +202,19 @@ def schedule(scheduler_cls: Any, lr: float, **kwargs: Any) -> Schedule:
     """The learning-rate schedule named by `scheduler_cls`, peaking at the optimizer's `lr`.
 
     Raises ``ValueError`` for an unknown scheduler (listing the known ones) or arguments the
-    schedule rejects, ``TypeError`` for an argument it does not take.
+    schedule rejects (among them a warmup as long as the run or longer: ``num_warmup_steps >=
+    num_training_steps``, ``lr_warmup_steps >= lr_decay_steps``), ``TypeError`` for an argument
+    it does not take. A rejection starts with the call as written (``CosineAnnealingLR(T_max=0):
+    ...``), since the core's message may name its own field for one of upstream's.
     """
     name = _name(scheduler_cls)
     if name not in SCHEDULERS:
         raise ValueError(f"unknown lr scheduler {name!r}; known: {', '.join(SCHEDULERS)}")
-    return SCHEDULERS[name](lr, **kwargs)
+    try:
+        return SCHEDULERS[name](lr, **kwargs)
+    except ValueError as e:
+        call = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ValueError(f"{name}({call}): {e}") from e
 
 
 def transform(

@@ -47,6 +47,7 @@ from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function
 from twinkle.model import _accumulate, _build, _group, _inputs, optim
 from twinkle.model._base import TrainableModel
+from twinkle_fn.optim import GradientTransformation
 
 
 @remote_class()
@@ -105,6 +106,9 @@ class TransformersModel(TrainableModel):
     def _update(self, g: _group.Group) -> None:
         _group.step(g)
 
+    def _transform(self, g: _group.Group) -> GradientTransformation:
+        return _group.transform(g, None)
+
     def _config_lines(self) -> list[str]:
         return [f"strategy: {self.strategy} (FSDP2 core)"]
 
@@ -134,11 +138,13 @@ class TransformersModel(TrainableModel):
         rank: its token sum over its token count, a float) and ``num_tokens``; with
         `return_logps` / `return_logits` also ``logps`` / ``logits`` from an extra no-grad
         forward (with the weights the gradient is taken at). `gradient_accumulation_steps` is
-        read at step time. Raises ``TypeError`` / ``ValueError`` before any compute for loss
-        inputs the loss does not read, lacks or cannot align (naming the loss, the input and
-        the fix), and for a bad `micro_batch_size` (as `MegatronModel`'s).
+        read at step time (checked here: ``ValueError`` unless a positive int or None). Raises
+        ``TypeError`` / ``ValueError`` before any compute for loss inputs the loss does not read,
+        lacks or cannot align (naming the loss, the input and the fix), and for a bad
+        `micro_batch_size` (as `MegatronModel`'s).
         """
         g = self._resolve(adapter_name)
+        _group.accumulation_steps(g, gradient_accumulation_steps)
         features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
         runs = [g.processor(c) for c in _inputs.chunks(features, micro_batch_size)]
         state = self._ensure_state(g)
@@ -211,6 +217,7 @@ class TransformersModel(TrainableModel):
         already backpropagated).
         """
         g = self._resolve(adapter_name)
+        _group.accumulation_steps(g, gradient_accumulation_steps)
         if g.last is None or not g.last[2]:
             raise ValueError("backward needs a forward(inputs=...) call before it")
         g.pending.add(self._ensure_state(g), g.last[0], loss=g.loss.token_loss())
@@ -241,13 +248,15 @@ class TransformersModel(TrainableModel):
     def set_optimizer(self, optimizer_cls: Any, **kwargs: Any) -> None:
         """Use optimizer `optimizer_cls` ('AdamW', 'default' = AdamW, 'SGD', or those torch
         classes) with torch's keyword arguments (default lr 1e-5, weight_decay 0.01 on
-        matrices). A state that already exists gets a fresh optimizer state, as upstream's new
-        optimizer. Raises ``ValueError`` for an unknown optimizer, listing the known ones."""
+        matrices). Any time: before the first forward, or after forwards and steps (to
+        evaluate first, or to change optimizers between steps). A state that already exists
+        gets the new optimizer with a fresh optimizer state (zero moments, the schedule
+        counted from here), as upstream's new torch optimizer; the weights stay. Raises
+        ``ValueError`` for an unknown optimizer (listing the known ones) and bad values, before
+        changing anything."""
         g = self._resolve(kwargs.pop("adapter_name", None))
         g.optimizer = optim.optimizer_spec(optimizer_cls, **kwargs)
-        if g.state is not None:
-            tx = _group.transform(g, None)
-            g.state = g.state.replace(tx=tx, opt_state=tx.init(g.state.params))
+        self._renew_optimizer(g)
 
     @remote_function()
     def set_lr_scheduler(self, scheduler_cls: Any, **kwargs: Any) -> None:

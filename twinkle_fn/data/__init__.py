@@ -17,7 +17,7 @@ from twinkle_fn.data.collate import (
     num_supervised_tokens,
     pad_collate,
 )
-from twinkle_fn.data.jsonl import encode_rows, load_jsonl
+from twinkle_fn.data.jsonl import encode_rows, load_jsonl, read_text
 from twinkle_fn.data.microbatch import split_batch, split_features
 from twinkle_fn.data.packing import pack, pack_greedy, packed_attention_mask
 from twinkle_fn.data.tokenizer import char_tokenizer
@@ -39,6 +39,7 @@ __all__ = [
     "pack_greedy",
     "packed_attention_mask",
     "pad_collate",
+    "read_text",
     "split_batch",
     "split_features",
     "train_heldout_split",

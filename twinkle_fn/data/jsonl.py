@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from twinkle_fn.data.chat import encode_messages, encode_text, validate_messages
@@ -26,6 +27,26 @@ def _check_row(row: Any, where: str) -> None:
         raise TypeError(f"{where}: 'text' must be a str, got {type(row['text']).__name__}")
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """The UTF-8 text of the file at `path` (newlines as written).
+
+    Raises:
+        ValueError: the file is not UTF-8 text (e.g. a binary file), naming the file, the 1-based
+            line and column of the first bad byte, and the byte.
+        OSError: the file cannot be read.
+    """
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{os.fspath(path)}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+            f"{column}): a data file must be UTF-8 text; is it a binary or compressed file?"
+        ) from None
+
+
 def load_jsonl(path: str | os.PathLike) -> list[dict]:
     """Read a JSON-lines file whose rows are chats (``messages``) or plain text (``text``).
 
@@ -33,23 +54,29 @@ def load_jsonl(path: str | os.PathLike) -> list[dict]:
     "assistant", "content": str}, ...]``; a text row has ``"text": str``; other keys are kept.
 
     Raises:
-        ValueError/TypeError: naming the file, the 1-based line number and the field, for invalid
-            JSON, a row that is not an object, a row with neither or both of ``messages`` and
-            ``text``, or a field of the wrong type.
+        ValueError/TypeError: naming the file, the 1-based line number and the field, for bytes
+            that are not UTF-8 (a binary file), invalid JSON, a row that is not an object, a row
+            with neither or both of ``messages`` and ``text``, or a field of the wrong type;
+            naming the file, for a file without rows (empty or blank).
         OSError: the file cannot be read.
     """
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{os.fspath(path)}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-            _check_row(row, where)
-            rows.append(row)
+    # split at "\n" only: str.splitlines would also split inside a JSON string at U+2028 etc.
+    for lineno, line in enumerate(read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{os.fspath(path)}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+        _check_row(row, where)
+        rows.append(row)
+    if not rows:
+        raise ValueError(
+            f"{os.fspath(path)}: no rows (the file is empty or blank); write one JSON object "
+            "per line, with 'messages' (a chat) or 'text'"
+        )
     return rows
 
 

@@ -74,3 +74,29 @@ def test_encode_rows_names_the_bad_row():
         encode_rows(char_tokenizer(), [TEXT, {"prompt": "a"}])
     with pytest.raises(ValueError, match=r"rows\[0\]: messages\[0\]\['role'\]"):
         encode_rows(char_tokenizer(), [{"messages": [{"role": "x", "content": "a"}]}])
+
+
+def test_a_binary_file_is_named_with_its_line(tmp_path):
+    """Today: a bare UnicodeDecodeError that names no file."""
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(json.dumps(TEXT).encode() + b'\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(
+        ValueError, match=r"data\.jsonl:2: not UTF-8 text \(byte 0xff at column 11\).*binary"
+    ):
+        load_jsonl(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_a_file_without_rows_is_named(tmp_path, content):
+    """Today: [] and, in `twinkle train`, an error about splitting 0 questions."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"data\.jsonl: no rows \(the file is empty or blank\)"):
+        load_jsonl(path)
+
+
+def test_a_json_string_may_hold_a_unicode_line_separator(tmp_path):
+    row = {"text": "a\u2028b\x1cc"}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_jsonl(path) == [row]

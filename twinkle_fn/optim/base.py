@@ -215,10 +215,24 @@ def check_nonnegative(name: str, value: Any, *, below_one: bool = False) -> floa
 
 def check_lr(lr: float | Schedule) -> float | Schedule:
     """`lr` as given if it is a schedule (a callable), else as a float checked to be finite and
-    >= 0. Raises ``ValueError`` for anything else (e.g. the string ``"1e-3"``)."""
+    > 0: a constant lr of 0 would train nothing. Raises ``ValueError`` for anything else (e.g.
+    0, or the string ``"1e-3"``)."""
     if callable(lr):
         return lr
-    return check_nonnegative("lr", lr)
+    return check_positive_lr("lr", lr)
+
+
+def check_positive_lr(name: str, lr: Any) -> float:
+    """`lr` as a float, checked to be a finite real number > 0. Raises ``ValueError`` naming
+    `name`, the value and the fix otherwise (a schedule may still pass through 0 on its way,
+    e.g. at the start of a warmup: only its constant or peak value is checked here)."""
+    lr = check_nonnegative(name, lr)
+    if lr == 0.0:
+        raise ValueError(
+            f"{name} must be > 0, got 0.0: a learning rate of 0 never changes the weights; pass "
+            "a positive value (to evaluate without training, run forward passes only)"
+        )
+    return lr
 
 
 def init_counter() -> tuple[torch.Tensor, torch.Tensor]:

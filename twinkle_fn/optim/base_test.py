@@ -137,7 +137,14 @@ def test_foreach_groups_splits_by_dtype_in_order():
 
 @pytest.mark.parametrize(
     ("lr", "match"),
-    [("1e-3", "real number"), (True, "real number"), (-1.0, ">= 0"), (math.inf, ">= 0")],
+    [
+        ("1e-3", "real number"),
+        (True, "real number"),
+        (-1.0, ">= 0"),
+        (math.inf, ">= 0"),
+        (0.0, "> 0, got 0.0: a learning rate of 0 never changes the weights; pass a positive"),
+        (0, "> 0, got 0.0"),
+    ],
 )
 def test_check_lr_rejects_bad_values(lr, match):
     with pytest.raises(ValueError, match=f"lr must be .*{match}"):
