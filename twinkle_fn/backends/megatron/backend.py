@@ -72,6 +72,7 @@ from twinkle_fn.backends.megatron import (
     sharding,
     weights,
 )
+from twinkle_fn.backends.megatron.micro_batch import merge_logps, micro_batches
 from twinkle_fn.backends.megatron.optimizer import (
     MegatronOptState,
     megatron_optimizer,
@@ -83,7 +84,7 @@ from twinkle_fn.backends.megatron.placement import (
     model_placement,
     place,
 )
-from twinkle_fn.backends.megatron.train import forward_backward, merge_logps, micro_batches
+from twinkle_fn.backends.megatron.train import forward_backward
 from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
@@ -151,7 +152,7 @@ class MegatronBackend:
         """Token-summed loss and supervised-token count of `batch` (forward only, no graph).
 
         Runs megatron's schedule without backward; the result is the same on every pipeline
-        stage. Raises ``ValueError`` as `twinkle_fn.backends.megatron.train.micro_batches` does.
+        stage. Raises ``ValueError`` as `twinkle_fn.backends.megatron.micro_batch.micro_batches` does.
         """
         placement = model_placement(state.model)
         loss_sum, num_tokens, _ = forward_backward(
@@ -396,7 +397,7 @@ def evaluate_logps(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[Loss
     packed): ``log p(label)`` of each token, 0 where the label is -100, the same on every
     pipeline stage and context-parallel rank of a data shard. A collective over the model's
     ranks. Raises ``DonatedError`` for a donated state, ``ValueError`` as
-    `twinkle_fn.backends.megatron.train.micro_batches` does.
+    `twinkle_fn.backends.megatron.micro_batch.micro_batches` does.
     """
     state.check_alive()
     placement = model_placement(state.model)

@@ -89,7 +89,7 @@ def _check_bounds(bounds: Sequence[int], total: int, cp_size: int) -> None:
         raise ValueError(
             f"context parallelism over {cp_size} ranks splits each sequence into {2 * cp_size} "
             f"equal chunks, but the lengths are {lengths}; pad each sequence (packed sample) to "
-            f"a multiple of {2 * cp_size} (twinkle_fn.backends.megatron.train.micro_batches does)"
+            f"a multiple of {2 * cp_size} (twinkle_fn.backends.megatron.micro_batch.micro_batches does)"
         )
 
 

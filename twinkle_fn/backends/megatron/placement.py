@@ -98,7 +98,7 @@ class MegatronPlacement:
     @property
     def seq_multiple(self) -> int:
         """What each rank's part of a micro-batch's sequence must divide by (sequence
-        parallelism); `twinkle_fn.backends.megatron.train.micro_batches` adds context parallelism's."""
+        parallelism); `twinkle_fn.backends.megatron.micro_batch.micro_batches` adds context parallelism's."""
         return self.mesh.tp if self.mesh.sequence_parallel else 1
 
 
