@@ -72,6 +72,7 @@ from twinkle_fn.backends.megatron import (
     sharding,
     weights,
 )
+from twinkle_fn.backends.megatron.lora_linear import adapters_off
 from twinkle_fn.backends.megatron.micro_batch import merge_logps, micro_batches
 from twinkle_fn.backends.megatron.optimizer import (
     MegatronOptState,
@@ -223,7 +224,7 @@ class MegatronBackend:
         return_logits: bool,
     ) -> dict[str, Tensor]:
         """See `evaluate_logps`; `disable_lora` computes with the base weights alone
-        (`twinkle_fn.backends.megatron.lora.adapters_off`). Raises ``ValueError`` for a
+        (`twinkle_fn.backends.megatron.lora_linear.adapters_off`). Raises ``ValueError`` for a
         temperature other than 1 or logits, which megatron's fused loss path does not give."""
         if temperature != 1.0 or return_logits:
             raise ValueError(
@@ -232,7 +233,7 @@ class MegatronBackend:
                 "transformers backend"
             )
         chunks = model_placement(state.model).chunks
-        with lora.adapters_off(chunks) if disable_lora else contextlib.nullcontext():
+        with adapters_off(chunks) if disable_lora else contextlib.nullcontext():
             out, logps = evaluate_logps(state, batch)
         return {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
 

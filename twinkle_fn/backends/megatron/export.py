@@ -29,7 +29,8 @@ from torch import Tensor
 
 from twinkle_fn.backends.buckets import Bucket, buckets
 from twinkle_fn.backends.megatron.bridge import _join, _layout, _slots, join_shards
-from twinkle_fn.backends.megatron.lora import LINEARS, LoraParallelLinear, _hf_modules
+from twinkle_fn.backends.megatron.lora import LINEARS, _hf_modules
+from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
 from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
 from twinkle_fn.backends.megatron.weights import settle
 from twinkle_fn.lora import PEFT_PREFIX

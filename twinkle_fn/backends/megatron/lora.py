@@ -36,30 +36,22 @@ Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    get_cuda_rng_tracker,
-)
-from megatron.core.transformer.module import MegatronModule
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from torch import Tensor
 
 from twinkle_fn import lora as base_lora
 from twinkle_fn.backends.megatron.bridge import MLP, O_PROJ, QKV, Rule, join_shards, moe_layers
-from twinkle_fn.backends.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
+from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
 from twinkle_fn.lora import PEFT_PREFIX
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
@@ -233,143 +225,6 @@ def adapter_config(state: TrainState) -> LoraConfig:
     """The resolved ``LoraConfig`` of the state's adapter. Raises ``ValueError`` for a state
     without a megatron LoRA adapter."""
     return _placement(state).lora.config
-
-
-class LoraParallelLinear(MegatronModule):
-    """``base(x) + scaling * B(A(dropout(x)))`` around a megatron column- or row-parallel linear.
-
-    Takes and returns what the base takes and returns (``(output, bias)``; input
-    ``[seq, batch, in]``, sequence-split under sequence parallelism). Column-parallel base
-    (output split over tp): ``lora_A`` ``[r, in]`` is replicated, ``lora_B`` a
-    ``ColumnParallelLinear`` ``[out / tp, r]`` split like the base, whose input all-reduce in
-    backward makes ``A``'s gradient whole on every rank. Row-parallel base (input split):
-    ``lora_A`` is a ``RowParallelLinear`` ``[r, in / tp]`` split like the base, whose output is
-    all-reduced (reduce-scattered over the sequence under sequence parallelism) before the
-    replicated ``lora_B`` ``[out, r]``. Under sequence parallelism the replicated factor sees
-    one sequence chunk per rank, so it is marked ``sequence_parallel`` and megatron sums its
-    gradient over tp. Dropout on a replicated input draws from the generator every tp rank
-    shares, on a split one from megatron's tensor-parallel stream.
-
-    Initialised as peft does, from a generator seeded with `seed` so that every mesh starts
-    from the same adapter: ``A`` kaiming-uniform (``init_lora_weights='gaussian'``: normal with
-    std ``1 / r``), ``B`` zero (``init_lora_weights=False``: kaiming-uniform like ``A``).
-    ``scaling`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
-    """
-
-    def __init__(self, base: torch.nn.Module, config: LoraConfig, *, rule: Rule, seed: int) -> None:
-        super().__init__(config=base.config)
-        self.base_layer = base
-        self.column = rule.tp_dim == 0
-        mc, r = base.config, config.r
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        out_local, in_local = base.weight.shape
-        size_in, size_out = (
-            (in_local, out_local * tp) if self.column else (in_local * tp, out_local)
-        )
-        self.scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
-        self.lora_dropout = (
-            torch.nn.Dropout(config.lora_dropout) if config.lora_dropout else torch.nn.Identity()
-        )
-        parallel = dict(
-            config=mc,
-            init_method=_filled_below,
-            bias=False,
-            skip_bias_add=True,
-            tp_group=getattr(base, "tp_group", None),
-        )
-        if self.column:
-            self.lora_A = _replicated(size_in, r, mc)
-            self.lora_B = ColumnParallelLinear(r, size_out, gather_output=False, **parallel)
-        else:
-            self.lora_A = RowParallelLinear(size_in, r, input_is_parallel=True, **parallel)
-            self.lora_B = _replicated(r, size_out, mc)
-        self._init_factors(config, rule, seed, tp)
-        for factor in (self.lora_A, self.lora_B):
-            factor.to(base.weight.device)
-        # `adapters_off` clears it: the forward is then the base layer's alone
-        self.enabled = True
-
-    @torch.no_grad()
-    def _init_factors(self, config: LoraConfig, rule: Rule, seed: int, tp: int) -> None:
-        # Whole factors in the tp=1 layout, then this rank's part, so any tp gives one adapter.
-        gen = torch.Generator().manual_seed(seed)
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        r, size_in = self.lora_A.weight.shape[0], self.lora_A.weight.shape[1]
-        a = torch.empty(r, size_in * (1 if self.column else tp))
-        if config.init_lora_weights == "gaussian":
-            a.normal_(0.0, 1.0 / r, generator=gen)
-        else:
-            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-        b = torch.zeros(self.lora_B.weight.shape[0] * (tp if self.column else 1), r)
-        if config.init_lora_weights is False:
-            torch.nn.init.kaiming_uniform_(b, a=math.sqrt(5), generator=gen)
-        if self.column:
-            b = _rows_of_rank(b, rule, rank, tp)
-        else:
-            a = tp_shard(a, 1, rank, tp)
-        self.lora_A.weight.copy_(a)
-        self.lora_B.weight.copy_(b)
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-        """The base's ``(output, bias)`` with the low-rank update added to the output (the
-        base's alone while the adapter is off, see `adapters_off`)."""
-        out, bias = self.base_layer(x, *args, **kwargs)
-        if not self.enabled:
-            return out, bias
-        return out + self._update(x), bias
-
-    def _update(self, x: Tensor) -> Tensor:
-        split = not self.column or self.config.sequence_parallel  # x differs across tp ranks
-        rng = (
-            get_cuda_rng_tracker().fork()
-            if split and isinstance(self.lora_dropout, torch.nn.Dropout)
-            else contextlib.nullcontext()
-        )
-        with rng:
-            x = self.lora_dropout(x)
-        if self.column:
-            y, _ = self.lora_B(self.lora_A(x))
-        else:
-            h, _ = self.lora_A(x)
-            y = self.lora_B(h)
-        return y * self.scaling
-
-
-@contextlib.contextmanager
-def adapters_off(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
-    """Within the block every `LoraParallelLinear` of `modules` (a rank's model chunks)
-    computes its base layer alone: the base weights' outputs, as the model before
-    `add_adapters` (a reference model's log-probs without a second copy of the weights). The
-    skipped update draws no dropout mask, so megatron's RNG streams advance as without LoRA.
-    A no-op on modules without adapters. On several ranks every rank must enter it (each
-    switches its own stage's adapters)."""
-    layers = [m for c in modules for m in c.modules() if isinstance(m, LoraParallelLinear)]
-    for layer in layers:
-        layer.enabled = False
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enabled = True
-
-
-def _filled_below(weight: Tensor) -> None:
-    """Megatron's ``init_method`` for the adapter factors, which `_init_factors` fills."""
-
-
-def _replicated(size_in: int, size_out: int, mc: Any) -> torch.nn.Linear:
-    """A linear replicated over tp; its gradient is summed over tp under sequence parallelism."""
-    linear = torch.nn.Linear(size_in, size_out, bias=False, dtype=mc.params_dtype)
-    linear.weight.sequence_parallel = mc.sequence_parallel  # type: ignore[attr-defined]
-    return linear
-
-
-def _rows_of_rank(full: Tensor, rule: Rule, rank: int, tp: int) -> Tensor:
-    """Rank `rank`'s rows of a column-parallel tensor given in the tp=1 layout."""
-    if rule.transform == "gate_up":  # megatron fuses [gate; up] per rank, not over the whole
-        gate, up = split_gate_up(full)
-        return fuse_gate_up(tp_shard(gate, 0, rank, tp), tp_shard(up, 0, rank, tp))
-    return tp_shard(full, 0, rank, tp)
 
 
 def add_adapters(
