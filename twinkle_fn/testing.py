@@ -35,6 +35,14 @@ _EXTRA: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 16,
         "decoder_sparse_step": 1,
     },
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
 }
 
 

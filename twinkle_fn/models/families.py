@@ -56,17 +56,36 @@ def flag_on(flag: Flag, config: PretrainedConfig) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    """An MLP that every token of an MoE layer goes through beside its routed experts.
+
+    `mlp`: its decoder-layer submodule, as the checkpoint names it, whose linears `linears`
+    (gate, up, down) are ``{mlp}.{name}.weight``; `ffn`: the config field of its intermediate
+    size. `gate`: the decoder-layer submodule of a ``[1, hidden]`` linear whose sigmoid scales
+    the MLP's output per token (Qwen2-MoE), None when the output is added ungated.
+    """
+
+    mlp: str
+    linears: tuple[str, str, str]
+    ffn: str
+    gate: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Moe:
     """Where a family keeps its routed experts and which decoder layers have them.
 
     `layers`: THE rule of which decoder layers are MoE, a function of the HF config returning
-    their indices in increasing order (the others are dense MLPs). `router`: the decoder-layer
-    submodule of the router linear (its ``.weight`` is ``[experts, hidden]``). `experts`: the
-    decoder-layer submodule of the experts; checkpoints store expert ``e``'s linears as
+    their indices in increasing order (the others are dense MLPs). Names are the checkpoint's
+    (what ``save_pretrained`` writes and the megatron bridge reads; transformers may rename or
+    fuse them in memory, e.g. Mixtral's ``block_sparse_moe`` is ``mlp`` there). `router`: the
+    decoder-layer submodule of the router linear (its ``.weight`` is ``[experts, hidden]``).
+    `experts`: the decoder-layer submodule of the experts; expert ``e``'s linears are
     ``{experts}.{e}.{name}.weight`` with the names `expert_linears` (gate, up, down).
     `num_experts`, `top_k` and `ffn` name the config fields of the expert count, the experts
     per token and one expert's intermediate size; `renormalize` says whether the top-k routing
-    weights are renormalised to sum to 1.
+    weights (a softmax over all experts) are renormalised to sum to 1. `shared`: the shared
+    expert, None without one.
     """
 
     layers: Callable[[PretrainedConfig], tuple[int, ...]]
@@ -77,6 +96,7 @@ class Moe:
     top_k: str
     ffn: str
     renormalize: Flag
+    shared: SharedExpert | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +174,11 @@ def sparse_step_moe_layers(config: PretrainedConfig) -> tuple[int, ...]:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     layers = range(config.num_hidden_layers)
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+
+
+def every_layer(config: PretrainedConfig) -> tuple[int, ...]:
+    """Every decoder layer (Mixtral: all of them are MoE)."""
+    return tuple(range(config.num_hidden_layers))
 
 
 _ATTENTION = {
@@ -235,9 +260,70 @@ _ROWS = (
             top_k="num_experts_per_tok",
             ffn="moe_intermediate_size",
             renormalize="norm_topk_prob",
+            shared=None,
         ),
         mask_mapping=False,
         # transformers leaves it None unless use_sliding_window (then every layer has it).
+        sliding_window="sliding_window",
+        rope="rotate_half",
+        sequence_parallel=False,
+    ),
+    Family(
+        name="qwen2_moe",
+        # The shared expert is a dense MLP on every token: split like one. Its sigmoid gate
+        # ([1, hidden]) and the routed experts stay whole.
+        tp_plan={
+            **_ATTENTION,
+            "mlp.shared_expert.gate_proj": COLWISE,
+            "mlp.shared_expert.up_proj": COLWISE,
+            "mlp.shared_expert.down_proj": ROWWISE,
+        },
+        qkv_bias="qkv_bias",
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        moe=Moe(
+            layers=sparse_step_moe_layers,
+            router="mlp.gate",
+            experts="mlp.experts",
+            expert_linears=("gate_proj", "up_proj", "down_proj"),
+            num_experts="num_experts",
+            top_k="num_experts_per_tok",
+            ffn="moe_intermediate_size",
+            renormalize="norm_topk_prob",
+            shared=SharedExpert(
+                mlp="mlp.shared_expert",
+                linears=("gate_proj", "up_proj", "down_proj"),
+                ffn="shared_expert_intermediate_size",
+                gate="mlp.shared_expert_gate",
+            ),
+        ),
+        mask_mapping=True,
+        # as qwen2: windows per layer only with use_sliding_window (refused by megatron)
+        sliding_window=None,
+        rope="rotate_half",
+        # the routed experts' output is not a rowwise linear's
+        sequence_parallel=False,
+    ),
+    Family(
+        name="mixtral",
+        tp_plan=dict(_ATTENTION),
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        moe=Moe(
+            layers=every_layer,
+            router="block_sparse_moe.gate",
+            experts="block_sparse_moe.experts",
+            expert_linears=("w1", "w3", "w2"),
+            num_experts="num_local_experts",
+            top_k="num_experts_per_tok",
+            ffn="intermediate_size",
+            renormalize=True,
+            shared=None,
+        ),
+        mask_mapping=False,
         sliding_window="sliding_window",
         rope="rotate_half",
         sequence_parallel=False,

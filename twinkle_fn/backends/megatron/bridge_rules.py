@@ -121,14 +121,29 @@ TIED_LM_HEAD = Rule(
 
 
 def moe_rules(moe: Moe) -> tuple[Rule, ...]:
-    """The rules of an MoE layer's router and experts, named as `moe` lays them out in HF
-    checkpoints (one tensor per expert)."""
+    """The rules of an MoE layer's router, experts and shared expert (megatron-core's
+    ``mlp.shared_experts``, split over tp like a dense MLP, its gate whole), named as `moe`
+    lays them out in HF checkpoints (one tensor per expert)."""
     gate, up, down = (f"{_L}{moe.experts}.{{expert}}.{name}.weight" for name in moe.expert_linears)
-    return (
+    rules = [
         Rule((f"{_L}{moe.router}.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
         Rule((gate, up), _MC_EXPERT + "linear_fc1.weight", "gate_up", 0, layers="moe"),
         Rule((down,), _MC_EXPERT + "linear_fc2.weight", "copy", 1, layers="moe"),
-    )
+    ]
+    if moe.shared is not None:
+        sh = moe.shared
+        s_gate, s_up, s_down = (f"{_L}{sh.mlp}.{name}.weight" for name in sh.linears)
+        shared = _M + "mlp.shared_experts."
+        rules += [
+            Rule((s_gate, s_up), shared + "linear_fc1.weight", "gate_up", 0, layers="moe"),
+            Rule((s_down,), shared + "linear_fc2.weight", "copy", 1, layers="moe"),
+        ]
+        if sh.gate is not None:
+            gate_rule = Rule(
+                (f"{_L}{sh.gate}.weight",), shared + "gate_weight", "copy", None, layers="moe"
+            )
+            rules.append(gate_rule)
+    return tuple(rules)
 
 
 def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
@@ -169,6 +184,7 @@ class _Model:
     layers: int
     ffn: int
     moe_ffn: int
+    shared_ffn: int
     experts: int
     moe: tuple[bool, ...]
 
@@ -196,6 +212,7 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         layers=hf_config.num_hidden_layers,
         ffn=hf_config.intermediate_size,
         moe_ffn=getattr(hf_config, layout.ffn) if any(moe) else 0,
+        shared_ffn=getattr(hf_config, layout.shared.ffn) if any(moe) and layout.shared else 0,
         experts=getattr(hf_config, layout.num_experts) if any(moe) else 0,
         moe=moe,
     )
@@ -244,6 +261,11 @@ def _check_layout(model: _Model, lay: _Layout) -> None:
         if model.experts % lay.ep:
             raise ValueError(
                 f"ep_size={lay.ep} does not divide num_experts={model.experts}; use one that does"
+            )
+        if model.shared_ffn % tp:
+            raise ValueError(
+                f"tp_size={tp} does not divide the shared expert's {model.shared_ffn} channels; "
+                "use a tp_size that does"
             )
         if model.moe_ffn % lay.etp:
             raise ValueError(

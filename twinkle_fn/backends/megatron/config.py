@@ -38,7 +38,16 @@ def _moe_fields(hf_config: PretrainedConfig, fam: Family, mesh: Mesh) -> dict[st
     layers = set(fam.moe_layers(hf_config))
     pattern = [int(i in layers) for i in range(hf_config.num_hidden_layers)]
     aux = bool(getattr(hf_config, "output_router_logits", False))
+    shared: dict[str, Any] = {}
+    if moe.shared is not None:
+        shared_ffn = getattr(hf_config, moe.shared.ffn)
+        _require_divides(mesh.tp, "tp", shared_ffn, "shared expert MLP channels")
+        shared = dict(
+            moe_shared_expert_intermediate_size=shared_ffn,
+            moe_shared_expert_gate=moe.shared.gate is not None,
+        )
     return dict(
+        **shared,
         num_moe_experts=experts,
         moe_layer_freq=pattern if 0 in pattern else 1,
         moe_router_topk=getattr(hf_config, moe.top_k),
