@@ -14,7 +14,11 @@ them (``pytest tests/test_family_conformance.py -k <family>``).
 - the transformers backend's tp plan names every linear of a decoder layer that can be split;
 - a LoRA adapter saved by the megatron backend loads in peft with the megatron model's
   log-probabilities (1e-5);
-- `tf.export_weights` of the transformers backend loads into a fresh HF model bit for bit.
+- `tf.export_weights` of the transformers backend loads into a fresh HF model bit for bit, and
+  its per-token log-probabilities equal the HF model's (1e-5).
+
+A row whose `Family.megatron` gives a reason (megatron-core cannot express the family) runs the
+transformers checks; the megatron backend must refuse it at ``tf.init`` with that reason.
 
 Spawns: one process (megatron-core takes seconds to import) and one world of two ranks, each
 module-scoped and covering every family in turn.
@@ -40,6 +44,9 @@ from twinkle_fn.testing_dist import spawn
 LOGPS_ATOL, LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5, 2e-4
 LR = 1e-2
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+# The rows megatron-core builds, and those only the transformers backend trains.
+MEGATRON = tuple(name for name in FAMILIES if family(name).megatron is None)
+TRANSFORMERS_ONLY = tuple(name for name in FAMILIES if family(name).megatron is not None)
 
 
 def _meshes(name: str) -> list[dict[str, int]]:
@@ -95,8 +102,19 @@ def _megatron_checks(name: str, adapter_dir: str) -> dict:
     return out
 
 
+def _refusal(name: str) -> str:
+    """The megatron backend's error for a family megatron-core cannot express."""
+    model = tf.models.from_hf_config(tiny_config(name), seed=0, backend="megatron")
+    try:
+        tf.init(model, tf.optim.megatron_optimizer(LR))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def _one_process(root: str) -> dict:
-    return {name: _megatron_checks(name, f"{root}/{name}") for name in FAMILIES}
+    out = {name: _megatron_checks(name, f"{root}/{name}") for name in MEGATRON}
+    return out | {name: _refusal(name) for name in TRANSFORMERS_ONLY}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +128,7 @@ def _two_ranks() -> dict:
     from twinkle_fn.backends.megatron import parallel
 
     out = {}
-    for name in FAMILIES:
+    for name in MEGATRON:
         for sizes in _meshes(name):
             model = tf.models.from_hf_config(tiny_config(name), seed=0, backend="megatron")
             state = tf.init(model, tf.optim.megatron_optimizer(LR), tf.Mesh(**sizes))
@@ -130,7 +148,14 @@ def test_every_row_has_a_tiny_config():
         assert tiny_config(name).model_type == name
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", TRANSFORMERS_ONLY)
+def test_megatron_refuses_a_family_it_cannot_express_with_the_reason(one_process, name):
+    message = one_process[1][name]
+    assert f"model family {name!r} is supported by the transformers backend but not" in message
+    assert family(name).megatron in message and "backend='transformers'" in message
+
+
+@pytest.mark.parametrize("name", MEGATRON)
 def test_bridge_round_trip_is_bit_exact_on_every_layout(name):
     config, state = tiny_config(name), _on_disk(_hf(name))
     ep_sizes = (1, 2) if family(name).moe else (1,)
@@ -146,7 +171,7 @@ def test_bridge_round_trip_is_bit_exact_on_every_layout(name):
         assert all(torch.equal(back[n], t) for n, t in state.items()), (tp, pp, ep)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MEGATRON)
 def test_two_ranks_load_and_export_every_weight_bit_exact(two_ranks, name):
     want = _on_disk(_hf(name))
     for per_rank in two_ranks:
@@ -156,13 +181,13 @@ def test_two_ranks_load_and_export_every_weight_bit_exact(two_ranks, name):
             assert all(torch.equal(got[n], t) for n, t in want.items()), sizes
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MEGATRON)
 def test_megatron_logps_equal_the_hf_models(one_process, name):
     got = one_process[1][name]["logps"]
     torch.testing.assert_close(got, hf_logps(_hf(name), _batch()), rtol=0, atol=LOGPS_ATOL)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MEGATRON)
 def test_one_training_step_is_the_same_on_both_backends(one_process, name):
     mega, ref = one_process[1][name]["step"], _step(name, "transformers")
     assert mega["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
@@ -186,7 +211,7 @@ def test_the_tp_plan_splits_every_linear_that_can_be(name):
         assert linears - whole == set(row.tp_plan), name
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", MEGATRON)
 def test_a_megatron_lora_adapter_loads_in_peft(one_process, name):
     root, runs = one_process
     model = PeftModel.from_pretrained(_hf(name), root / name).eval()
@@ -208,3 +233,17 @@ def test_the_transformers_export_loads_into_an_hf_model(name):
     got = _on_disk(hf)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[n], t) for n, t in want.items())
+    logps = tf.token_logps(state, _batch())["logps"]
+    torch.testing.assert_close(hf_logps(hf, _batch()), logps, rtol=0, atol=LOGPS_ATOL)
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_ONLY)
+def test_a_transformers_lora_adapter_loads_in_peft(tmp_path, name):
+    model = tf.lora.add_lora(tf.models.from_hf_config(tiny_config(name), seed=0), LORA)
+    state = tf.init(model, tf.optim.adamw(LR))
+    tf.lora.save_adapter(state, tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(_hf(name), tmp_path / "adapter").eval()
+    got = tf.token_logps(state, _batch())["logps"]
+    torch.testing.assert_close(hf_logps(peft_model, _batch()), got, rtol=0, atol=LOGPS_ATOL)
+    with peft_model.disable_adapter():
+        assert (hf_logps(peft_model, _batch()) - got).abs().max() > 1e-3

@@ -113,7 +113,9 @@ class Family:
     field whose value (when set) is a window of that many tokens, the query included, in every
     layer; None when no field means that. `rope`: the rotary layout (`ROPE_KINDS`).
     `sequence_parallel`: the transformers backend can add sequence parallelism to the tp plan
-    (that needs the MLP to end in a rowwise linear). Raises ``ValueError`` for a style, rope
+    (that needs the MLP to end in a rowwise linear, and every norm of a layer in its sequence
+    parallel plan). `megatron`: None when megatron-core's ``GPTModel`` builds the family,
+    else why it cannot (the megatron backend refuses the family with it). Raises ``ValueError`` for a style, rope
     kind or bias flag outside those listed.
     """
 
@@ -128,6 +130,7 @@ class Family:
     sliding_window: str | None
     rope: str
     sequence_parallel: bool
+    megatron: str | None
 
     def __post_init__(self) -> None:
         bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
@@ -202,6 +205,7 @@ _ROWS = (
         sliding_window=None,
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="mistral",
@@ -215,6 +219,7 @@ _ROWS = (
         sliding_window="sliding_window",
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="qwen2",
@@ -229,6 +234,7 @@ _ROWS = (
         sliding_window=None,
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="qwen3",
@@ -242,6 +248,7 @@ _ROWS = (
         sliding_window=None,
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="qwen3_moe",
@@ -267,6 +274,7 @@ _ROWS = (
         sliding_window="sliding_window",
         rope="rotate_half",
         sequence_parallel=False,
+        megatron=None,
     ),
     Family(
         name="qwen2_moe",
@@ -304,6 +312,7 @@ _ROWS = (
         rope="rotate_half",
         # the routed experts' output is not a rowwise linear's
         sequence_parallel=False,
+        megatron=None,
     ),
     Family(
         name="mixtral",
@@ -327,6 +336,28 @@ _ROWS = (
         sliding_window="sliding_window",
         rope="rotate_half",
         sequence_parallel=False,
+        megatron=None,
+    ),
+    Family(
+        name="gemma3_text",
+        tp_plan={**_ATTENTION, **_MLP},
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        moe=None,
+        mask_mapping=True,
+        # only the sliding layers of layer_types are windowed (the backends read each layer's)
+        sliding_window=None,
+        rope="rotate_half",
+        # the norms after attention and after the MLP are outside the sequence-parallel plan
+        sequence_parallel=False,
+        megatron=(
+            "megatron-core's GPTModel layer spec has no norms on the attention and MLP outputs "
+            "(Gemma 3's pre/post-feedforward norms), no per-layer rotary base "
+            "(rope_local_base_freq on sliding layers), no scaled embedding and no (1 + weight) "
+            "RMSNorm"
+        ),
     ),
 )
 _BUILTIN: Mapping[str, Family] = MappingProxyType({row.name: row for row in _ROWS})

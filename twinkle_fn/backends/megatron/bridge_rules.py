@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from twinkle_fn.models.families import Moe, family
+from twinkle_fn.models.families import Family, Moe, family
 
 TRANSFORMS: dict[str, int] = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
 STAGES = ("first", "layer", "last")
@@ -146,14 +146,29 @@ def moe_rules(moe: Moe) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def megatron_family(hf_config: PretrainedConfig) -> Family:
+    """The row of `hf_config`'s family, when megatron-core can build it.
+
+    Raises ``ValueError`` for an unknown family (naming the known ones), and for a family the
+    transformers backend trains but megatron-core cannot express, with the row's reason.
+    """
+    row = family(hf_config)
+    if row.megatron is not None:
+        raise ValueError(
+            f"model family {row.name!r} is supported by the transformers backend but not by "
+            f"megatron: {row.megatron}. Use backend='transformers' for it."
+        )
+    return row
+
+
 def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
     """The bridge table of `hf_config`'s family, in HF checkpoint order.
 
     Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the family's
-    row (`twinkle_fn.models.families`) and the config. Raises ``ValueError`` for an unknown
-    family (naming the known ones).
+    row (`twinkle_fn.models.families`) and the config. Raises ``ValueError`` as
+    `megatron_family`.
     """
-    fam = family(hf_config)
+    fam = megatron_family(hf_config)
     rules = [EMBEDDING, INPUT_NORM, QKV]
     rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
     rules += QK_NORM if fam.qk_norm else ()
@@ -171,7 +186,7 @@ def moe_layers(hf_config: PretrainedConfig) -> tuple[bool, ...]:
 
     Dense families give all ``False``. Raises ``ValueError`` for an unknown family.
     """
-    moe = set(family(hf_config).moe_layers(hf_config))
+    moe = set(megatron_family(hf_config).moe_layers(hf_config))
     return tuple(i in moe for i in range(hf_config.num_hidden_layers))
 
 
@@ -203,7 +218,7 @@ def _model(hf_config: PretrainedConfig) -> _Model:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = moe_layers(hf_config)
-    layout = family(hf_config).moe
+    layout = megatron_family(hf_config).moe
     return _Model(
         heads=heads,
         kv_heads=kv_heads,

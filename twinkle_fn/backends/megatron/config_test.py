@@ -18,7 +18,7 @@ from twinkle_fn.testing import random_features, tiny_config
 _FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "persist_layer_norm")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if family(f).megatron is None])
 def test_architecture_fields_follow_the_hf_config(family):
     hf = tiny_config(family, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5)
     cfg = transformer_config(hf, Mesh())
@@ -37,6 +37,13 @@ def test_architecture_fields_follow_the_hf_config(family):
     assert cfg.params_dtype == torch.float32 and not cfg.bf16
     assert (cfg.num_moe_experts is not None) == (family in ("qwen3_moe", "qwen2_moe", "mixtral"))
     assert (cfg.moe_shared_expert_intermediate_size is not None) == (family == "qwen2_moe")
+
+
+def test_a_family_megatron_cannot_express_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="'gemma3_text' is supported by the transformers") as err:
+        transformer_config(tiny_config("gemma3_text"), Mesh())
+    assert "pre/post-feedforward norms" in str(err.value)
+    assert "backend='transformers'" in str(err.value)
 
 
 def test_qwen3_head_dim_is_not_hidden_over_heads():
