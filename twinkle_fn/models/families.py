@@ -3,27 +3,38 @@
 A row holds every fact about a family that a backend needs and the HF config does not say: the
 tensor-parallel plan, which projections carry biases, q/k norms, the mixture-of-experts layout and
 which layers are MoE, how the decoder takes its masks, the config field of a sliding window, the
-rotary layout and whether the transformers backend can run sequence parallelism. Backends read
+rotary layout, whether the transformers backend can run sequence parallelism and whether
+megatron-core can build the family (if not, why). Backends read
 rows (`family`), never family names, so an unknown family is refused up front with the list of
 known ones rather than failing deep inside a parallel wrapper.
 
 Adding a family
 ---------------
-A new family touches exactly two files:
+A new family touches:
 
 1. ``twinkle_fn/models/families.py`` (this module): its `Family` row in `_ROWS`. Every field is
    required; `families_test.py` checks each against the model transformers builds (plan entries
    are real linears, biases and q/k norms exist exactly where the row says, the MoE-layer rule
    matches the layers that have experts, the window field windows attention...).
-2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA``, which puts it under every test
-   parametrised over `FAMILIES` (among them the megatron bridge round trip, megatron-vs-HF
-   logits and config tests, and the transformers backend's input and attention tests).
+2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA`` (2 layers, hidden 32: seconds on a
+   CPU). This puts it under the conformance suite, ``tests/test_family_conformance.py``, and
+   every other test parametrised over `FAMILIES`. The suite is what "supported" means: bridge
+   round trip bit-exact on tp/pp/ep in {1, 2} (in one process and on two real ranks), megatron
+   log-probs equal HF's, one training step equal on both backends, the tp plan, a LoRA adapter
+   loading in peft, `tf.export_weights` loading into an HF model. Run it for one family with
+   ``pytest tests/test_family_conformance.py -k <family>`` (the shared spawns still build every
+   family: about a minute on 2 cores).
 
-That holds while its tensors are laid out as Llama's (``self_attn.{q,k,v,o}_proj``,
-``mlp.{gate,up,down}_proj``, ``input_layernorm``/``post_attention_layernorm``, RMSNorm; the MoE
-router and experts wherever its `Moe` names them), which the megatron bridge's rules are written
-against. Only a new tensor layout (a fused qkv, LayerNorm, a bias on the router...) also needs
-new rules in ``twinkle_fn/backends/megatron/bridge_rules.py``.
+Bridge rules (``twinkle_fn/backends/megatron/bridge_rules.py``) are needed only for a tensor
+layout they do not know yet. Known: Llama's (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``/``post_attention_layernorm``, RMSNorm,
+optional q/k/v, o and MLP biases and q/k norms) and an MoE block of a router, per-expert
+gate/up/down linears under any names and a shared expert with or without a sigmoid gate. A
+fused qkv, LayerNorm, a router bias, multi-latent attention... need new rules, and megatron
+config fields in ``config.py`` for whatever the row says that ``TransformerConfig`` must know.
+A family megatron-core's ``GPTModel`` spec cannot express (Gemma 3's extra norms and per-layer
+rotary base) sets `megatron` to the reason: the megatron backend refuses it with that reason
+and the suite runs its transformers checks only.
 
 To try a row without editing this module, `registered(row)` makes it known inside a ``with``
 block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
@@ -398,17 +409,28 @@ def registered(*rows: Family) -> Iterator[None]:
         _SCOPED.reset(token)
 
 
+# Multimodal wrappers whose text model is a known family: the config users should load instead.
+TEXT_CONFIGS: Mapping[str, str] = MappingProxyType({"gemma3": "gemma3_text"})
+
+
 def family_of(config: PretrainedConfig) -> str:
     """The family name of `config` (its ``model_type``).
 
-    Raises ``ValueError`` naming the model type and the supported families when it is unknown.
+    Raises ``ValueError`` naming the model type and the supported families when it is unknown
+    (for a multimodal wrapper of a known text family, naming the text config to load).
     """
     model_type = getattr(config, "model_type", None)
     table = _table()
     if model_type not in table:
+        hint = ""
+        if model_type in TEXT_CONFIGS:
+            hint = (
+                f" {model_type!r} wraps a vision tower around a text model: load its text "
+                f"config (model_type {TEXT_CONFIGS[model_type]!r}, e.g. config.text_config)."
+            )
         raise ValueError(
             f"unknown model family {model_type!r} (config.model_type); twinkle supports "
-            f"{', '.join(table)}. Use a config of one of these families."
+            f"{', '.join(table)}. Use a config of one of these families.{hint}"
         )
     return model_type
 

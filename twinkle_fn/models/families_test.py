@@ -223,6 +223,12 @@ def test_unknown_families_are_refused_naming_the_field_and_the_known_ones():
         family(AutoConfig.for_model("gpt2"))
 
 
+def test_a_multimodal_wrapper_is_refused_naming_its_text_config():
+    with pytest.raises(ValueError, match="'gemma3' wraps a vision tower") as err:
+        family_of(AutoConfig.for_model("gemma3"))
+    assert "model_type 'gemma3_text'" in str(err.value)
+
+
 def test_registered_rows_are_known_inside_the_block_only():
     row, config = _copy_of_qwen2()
     assert "qwen2_copy" not in known()
