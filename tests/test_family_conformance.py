@@ -10,7 +10,8 @@ them (``pytest tests/test_family_conformance.py -k <family>``).
   absolute: the same sums in another order; observed <= 1e-6);
 - one training step (AdamW, lr 1e-2) is the same on both backends: loss and grad norm to a
   relative 1e-5, parameters to 2e-4 absolute (Adam moves an element with an almost-zero
-  gradient by up to lr on the sign of float32 noise; see `backends/megatron/backend_test.py`);
+  gradient by up to lr on the sign of float32 noise; see `backends/megatron/backend_test.py`),
+  and the same on the two-rank meshes as on one process (same tolerances);
 - the transformers backend's tp plan names every linear of a decoder layer that can be split;
 - a LoRA adapter saved by the megatron backend loads in peft with the megatron model's
   log-probabilities (1e-5);
@@ -36,6 +37,7 @@ from transformers.core_model_loading import revert_weight_conversion
 import twinkle_fn as tf
 from twinkle_fn.backends.megatron.bridge import hf_to_mcore, mcore_to_hf
 from twinkle_fn.data import pad_collate
+from twinkle_fn.distributed import rank
 from twinkle_fn.export_test import consume, hf_logps
 from twinkle_fn.models.families import FAMILIES, family
 from twinkle_fn.testing import random_features, tiny_config
@@ -49,10 +51,12 @@ MEGATRON = tuple(name for name in FAMILIES if family(name).megatron is None)
 TRANSFORMERS_ONLY = tuple(name for name in FAMILIES if family(name).megatron is not None)
 
 
-def _meshes(name: str) -> list[dict[str, int]]:
-    """The two-rank meshes of a family: tp2 and pp2, and ep2 when it has experts."""
-    meshes = [{"tp": 2}, {"pp": 2}]
-    return [*meshes, {"dp": 2, "ep": 2}] if family(name).moe else meshes
+def _meshes(name: str) -> list[dict]:
+    """The two-rank meshes of a family: tp2 and pp2, and ep2 when it has experts (megatron-core
+    trains MoE layers under tp only with sequence parallelism)."""
+    if family(name).moe is None:
+        return [{"tp": 2}, {"pp": 2}]
+    return [{"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"dp": 2, "ep": 2}]
 
 
 def _hf(name: str) -> torch.nn.Module:
@@ -70,17 +74,33 @@ def _batch():
     return pad_collate(random_features(4, seed=99), pad_token_id=0)
 
 
-def _step(name: str, backend: str) -> dict:
-    """One AdamW step of the seed-0 model: loss, grad norm, the weights after it (HF names)."""
+def _step(name: str, backend: str, sizes: dict[str, int] | None = None) -> dict:
+    """One AdamW step of the seed-0 model on the mesh of `sizes` (each rank its slice of the
+    batch): the float32 export of the initial weights, loss, grad norm, the weights after the
+    step (HF names)."""
+    mesh = tf.Mesh(**(sizes or {}))
     model = tf.models.from_hf_config(tiny_config(name), seed=0, backend=backend)
     if backend == "megatron":
         tx = tf.optim.megatron_optimizer(LR, clip_grad=0.0, weight_decay=0.0)
     else:
         tx = tf.optim.adamw(LR, weight_decay=0.0)
-    state = tf.init(model, tx)
-    state, info = tf.step(state, tf.fwd_bwd(state, _batch())[0])
+    state = tf.init(model, tx, mesh)
+    exported = {n: t.clone() for b in tf.export_weights(state, dtype=torch.float32) for n, t in b}
+    feats = random_features(4, seed=99)
+    mine = pad_collate(feats[mesh.get_slice(len(feats), rank())], pad_token_id=0)
+    state, info = tf.step(state, tf.fwd_bwd(state, mine)[0])
     params = revert_weight_conversion(_hf(name), tf.unshard(state))
-    return dict(loss=float(info["loss"]), norm=float(info["grad_norm"]), params=params)
+    return dict(
+        exported=exported, loss=float(info["loss"]), norm=float(info["grad_norm"]), params=params
+    )
+
+
+def _assert_same_step(got: dict, want: dict) -> None:
+    assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL)
+    assert got["norm"] == pytest.approx(want["norm"], rel=LOSS_RTOL)
+    assert got["params"].keys() == want["params"].keys()
+    for n, p in got["params"].items():
+        torch.testing.assert_close(p, want["params"][n], rtol=0, atol=PARAM_ATOL, msg=n)
 
 
 def _megatron_checks(name: str, adapter_dir: str) -> dict:
@@ -124,16 +144,13 @@ def one_process(tmp_path_factory):
 
 
 def _two_ranks() -> dict:
-    """Per family and mesh: the float32 export of the seed-0 weights, loaded onto the mesh."""
+    """Per family and mesh: `_step` on the mesh (its export: the seed-0 weights loaded there)."""
     from twinkle_fn.backends.megatron import parallel
 
     out = {}
     for name in MEGATRON:
         for sizes in _meshes(name):
-            model = tf.models.from_hf_config(tiny_config(name), seed=0, backend="megatron")
-            state = tf.init(model, tf.optim.megatron_optimizer(LR), tf.Mesh(**sizes))
-            stream = tf.export_weights(state, dtype=torch.float32)
-            out[name, str(sizes)] = {n: t.clone() for b in stream for n, t in b}
+            out[name, str(sizes)] = _step(name, "megatron", sizes)
             parallel.destroy()
     return out
 
@@ -176,9 +193,17 @@ def test_two_ranks_load_and_export_every_weight_bit_exact(two_ranks, name):
     want = _on_disk(_hf(name))
     for per_rank in two_ranks:
         for sizes in _meshes(name):
-            got = per_rank[name, str(sizes)]
+            got = per_rank[name, str(sizes)]["exported"]
             assert got.keys() == want.keys(), sizes
             assert all(torch.equal(got[n], t) for n, t in want.items()), sizes
+
+
+@pytest.mark.parametrize("name", MEGATRON)
+def test_a_training_step_on_two_ranks_equals_one_process(one_process, two_ranks, name):
+    """tp2, pp2 (and ep2 over dp2 for MoE) against the one-process megatron step."""
+    for per_rank in two_ranks:
+        for sizes in _meshes(name):
+            _assert_same_step(per_rank[name, str(sizes)], one_process[1][name]["step"])
 
 
 @pytest.mark.parametrize("name", MEGATRON)
@@ -190,11 +215,7 @@ def test_megatron_logps_equal_the_hf_models(one_process, name):
 @pytest.mark.parametrize("name", MEGATRON)
 def test_one_training_step_is_the_same_on_both_backends(one_process, name):
     mega, ref = one_process[1][name]["step"], _step(name, "transformers")
-    assert mega["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL)
-    assert mega["norm"] == pytest.approx(ref["norm"], rel=LOSS_RTOL)
-    assert mega["params"].keys() == ref["params"].keys()
-    for n, p in mega["params"].items():
-        torch.testing.assert_close(p, ref["params"][n], rtol=0, atol=PARAM_ATOL, msg=n)
+    _assert_same_step(mega, ref)
     init = _on_disk(_hf(name))
     assert any(not torch.equal(p, init[n]) for n, p in ref["params"].items())
 
