@@ -35,6 +35,21 @@ _EXTRA: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 16,
         "decoder_sparse_step": 1,
     },
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
+    # sliding and global layers alternate; a window shorter than the test sequences
+    "gemma3_text": {
+        "head_dim": 8,
+        "query_pre_attn_scalar": 8,
+        "sliding_window": 4,
+        "sliding_window_pattern": 2,
+    },
 }
 
 

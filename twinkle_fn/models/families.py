@@ -3,27 +3,38 @@
 A row holds every fact about a family that a backend needs and the HF config does not say: the
 tensor-parallel plan, which projections carry biases, q/k norms, the mixture-of-experts layout and
 which layers are MoE, how the decoder takes its masks, the config field of a sliding window, the
-rotary layout and whether the transformers backend can run sequence parallelism. Backends read
+rotary layout, whether the transformers backend can run sequence parallelism and whether
+megatron-core can build the family (if not, why). Backends read
 rows (`family`), never family names, so an unknown family is refused up front with the list of
 known ones rather than failing deep inside a parallel wrapper.
 
 Adding a family
 ---------------
-A new family touches exactly two files:
+A new family touches:
 
 1. ``twinkle_fn/models/families.py`` (this module): its `Family` row in `_ROWS`. Every field is
    required; `families_test.py` checks each against the model transformers builds (plan entries
    are real linears, biases and q/k norms exist exactly where the row says, the MoE-layer rule
    matches the layers that have experts, the window field windows attention...).
-2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA``, which puts it under every test
-   parametrised over `FAMILIES` (among them the megatron bridge round trip, megatron-vs-HF
-   logits and config tests, and the transformers backend's input and attention tests).
+2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA`` (2 layers, hidden 32: seconds on a
+   CPU). This puts it under the conformance suite, ``tests/test_family_conformance.py``, and
+   every other test parametrised over `FAMILIES`. The suite is what "supported" means: bridge
+   round trip bit-exact on tp/pp/ep in {1, 2} (in one process and on two real ranks), megatron
+   log-probs equal HF's, one training step equal on both backends, the tp plan, a LoRA adapter
+   loading in peft, `tf.export_weights` loading into an HF model. Run it for one family with
+   ``pytest tests/test_family_conformance.py -k <family>`` (the shared spawns still build every
+   family: about a minute on 2 cores).
 
-That holds while its tensors are laid out as Llama's (``self_attn.{q,k,v,o}_proj``,
-``mlp.{gate,up,down}_proj``, ``input_layernorm``/``post_attention_layernorm``, RMSNorm; the MoE
-router and experts wherever its `Moe` names them), which the megatron bridge's rules are written
-against. Only a new tensor layout (a fused qkv, LayerNorm, a bias on the router...) also needs
-new rules in ``twinkle_fn/backends/megatron/bridge_rules.py``.
+Bridge rules (``twinkle_fn/backends/megatron/bridge_rules.py``) are needed only for a tensor
+layout they do not know yet. Known: Llama's (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``/``post_attention_layernorm``, RMSNorm,
+optional q/k/v, o and MLP biases and q/k norms) and an MoE block of a router, per-expert
+gate/up/down linears under any names and a shared expert with or without a sigmoid gate. A
+fused qkv, LayerNorm, a router bias, multi-latent attention... need new rules, and megatron
+config fields in ``config.py`` for whatever the row says that ``TransformerConfig`` must know.
+A family megatron-core's ``GPTModel`` spec cannot express (Gemma 3's extra norms and per-layer
+rotary base) sets `megatron` to the reason: the megatron backend refuses it with that reason
+and the suite runs its transformers checks only.
 
 To try a row without editing this module, `registered(row)` makes it known inside a ``with``
 block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
@@ -56,17 +67,36 @@ def flag_on(flag: Flag, config: PretrainedConfig) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedExpert:
+    """An MLP that every token of an MoE layer goes through beside its routed experts.
+
+    `mlp`: its decoder-layer submodule, as the checkpoint names it, whose linears `linears`
+    (gate, up, down) are ``{mlp}.{name}.weight``; `ffn`: the config field of its intermediate
+    size. `gate`: the decoder-layer submodule of a ``[1, hidden]`` linear whose sigmoid scales
+    the MLP's output per token (Qwen2-MoE), None when the output is added ungated.
+    """
+
+    mlp: str
+    linears: tuple[str, str, str]
+    ffn: str
+    gate: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Moe:
     """Where a family keeps its routed experts and which decoder layers have them.
 
     `layers`: THE rule of which decoder layers are MoE, a function of the HF config returning
-    their indices in increasing order (the others are dense MLPs). `router`: the decoder-layer
-    submodule of the router linear (its ``.weight`` is ``[experts, hidden]``). `experts`: the
-    decoder-layer submodule of the experts; checkpoints store expert ``e``'s linears as
+    their indices in increasing order (the others are dense MLPs). Names are the checkpoint's
+    (what ``save_pretrained`` writes and the megatron bridge reads; transformers may rename or
+    fuse them in memory, e.g. Mixtral's ``block_sparse_moe`` is ``mlp`` there). `router`: the
+    decoder-layer submodule of the router linear (its ``.weight`` is ``[experts, hidden]``).
+    `experts`: the decoder-layer submodule of the experts; expert ``e``'s linears are
     ``{experts}.{e}.{name}.weight`` with the names `expert_linears` (gate, up, down).
     `num_experts`, `top_k` and `ffn` name the config fields of the expert count, the experts
     per token and one expert's intermediate size; `renormalize` says whether the top-k routing
-    weights are renormalised to sum to 1.
+    weights (a softmax over all experts) are renormalised to sum to 1. `shared`: the shared
+    expert, None without one.
     """
 
     layers: Callable[[PretrainedConfig], tuple[int, ...]]
@@ -77,6 +107,7 @@ class Moe:
     top_k: str
     ffn: str
     renormalize: Flag
+    shared: SharedExpert | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +124,9 @@ class Family:
     field whose value (when set) is a window of that many tokens, the query included, in every
     layer; None when no field means that. `rope`: the rotary layout (`ROPE_KINDS`).
     `sequence_parallel`: the transformers backend can add sequence parallelism to the tp plan
-    (that needs the MLP to end in a rowwise linear). Raises ``ValueError`` for a style, rope
+    (that needs the MLP to end in a rowwise linear, and every norm of a layer in its sequence
+    parallel plan). `megatron`: None when megatron-core's ``GPTModel`` builds the family,
+    else why it cannot (the megatron backend refuses the family with it). Raises ``ValueError`` for a style, rope
     kind or bias flag outside those listed.
     """
 
@@ -108,6 +141,7 @@ class Family:
     sliding_window: str | None
     rope: str
     sequence_parallel: bool
+    megatron: str | None
 
     def __post_init__(self) -> None:
         bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
@@ -156,6 +190,11 @@ def sparse_step_moe_layers(config: PretrainedConfig) -> tuple[int, ...]:
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
 
 
+def every_layer(config: PretrainedConfig) -> tuple[int, ...]:
+    """Every decoder layer (Mixtral: all of them are MoE)."""
+    return tuple(range(config.num_hidden_layers))
+
+
 _ATTENTION = {
     "self_attn.q_proj": COLWISE,
     "self_attn.k_proj": COLWISE,
@@ -177,6 +216,7 @@ _ROWS = (
         sliding_window=None,
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="mistral",
@@ -190,6 +230,7 @@ _ROWS = (
         sliding_window="sliding_window",
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="qwen2",
@@ -204,6 +245,7 @@ _ROWS = (
         sliding_window=None,
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="qwen3",
@@ -217,6 +259,7 @@ _ROWS = (
         sliding_window=None,
         rope="rotate_half",
         sequence_parallel=True,
+        megatron=None,
     ),
     Family(
         name="qwen3_moe",
@@ -235,12 +278,97 @@ _ROWS = (
             top_k="num_experts_per_tok",
             ffn="moe_intermediate_size",
             renormalize="norm_topk_prob",
+            shared=None,
         ),
         mask_mapping=False,
         # transformers leaves it None unless use_sliding_window (then every layer has it).
         sliding_window="sliding_window",
         rope="rotate_half",
         sequence_parallel=False,
+        megatron=None,
+    ),
+    Family(
+        name="qwen2_moe",
+        # The shared expert is a dense MLP on every token: split like one. Its sigmoid gate
+        # ([1, hidden]) and the routed experts stay whole.
+        tp_plan={
+            **_ATTENTION,
+            "mlp.shared_expert.gate_proj": COLWISE,
+            "mlp.shared_expert.up_proj": COLWISE,
+            "mlp.shared_expert.down_proj": ROWWISE,
+        },
+        qkv_bias="qkv_bias",
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        moe=Moe(
+            layers=sparse_step_moe_layers,
+            router="mlp.gate",
+            experts="mlp.experts",
+            expert_linears=("gate_proj", "up_proj", "down_proj"),
+            num_experts="num_experts",
+            top_k="num_experts_per_tok",
+            ffn="moe_intermediate_size",
+            renormalize="norm_topk_prob",
+            shared=SharedExpert(
+                mlp="mlp.shared_expert",
+                linears=("gate_proj", "up_proj", "down_proj"),
+                ffn="shared_expert_intermediate_size",
+                gate="mlp.shared_expert_gate",
+            ),
+        ),
+        mask_mapping=True,
+        # as qwen2: windows per layer only with use_sliding_window (refused by megatron)
+        sliding_window=None,
+        rope="rotate_half",
+        # the routed experts' output is not a rowwise linear's
+        sequence_parallel=False,
+        megatron=None,
+    ),
+    Family(
+        name="mixtral",
+        tp_plan=dict(_ATTENTION),
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        moe=Moe(
+            layers=every_layer,
+            router="block_sparse_moe.gate",
+            experts="block_sparse_moe.experts",
+            expert_linears=("w1", "w3", "w2"),
+            num_experts="num_local_experts",
+            top_k="num_experts_per_tok",
+            ffn="intermediate_size",
+            renormalize=True,
+            shared=None,
+        ),
+        mask_mapping=False,
+        sliding_window="sliding_window",
+        rope="rotate_half",
+        sequence_parallel=False,
+        megatron=None,
+    ),
+    Family(
+        name="gemma3_text",
+        tp_plan={**_ATTENTION, **_MLP},
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        moe=None,
+        mask_mapping=True,
+        # only the sliding layers of layer_types are windowed (the backends read each layer's)
+        sliding_window=None,
+        rope="rotate_half",
+        # the norms after attention and after the MLP are outside the sequence-parallel plan
+        sequence_parallel=False,
+        megatron=(
+            "megatron-core's GPTModel layer spec has no norms on the attention and MLP outputs "
+            "(Gemma 3's pre/post-feedforward norms), no per-layer rotary base "
+            "(rope_local_base_freq on sliding layers), no scaled embedding and no (1 + weight) "
+            "RMSNorm"
+        ),
     ),
 )
 _BUILTIN: Mapping[str, Family] = MappingProxyType({row.name: row for row in _ROWS})
@@ -281,17 +409,28 @@ def registered(*rows: Family) -> Iterator[None]:
         _SCOPED.reset(token)
 
 
+# Multimodal wrappers whose text model is a known family: the config users should load instead.
+TEXT_CONFIGS: Mapping[str, str] = MappingProxyType({"gemma3": "gemma3_text"})
+
+
 def family_of(config: PretrainedConfig) -> str:
     """The family name of `config` (its ``model_type``).
 
-    Raises ``ValueError`` naming the model type and the supported families when it is unknown.
+    Raises ``ValueError`` naming the model type and the supported families when it is unknown
+    (for a multimodal wrapper of a known text family, naming the text config to load).
     """
     model_type = getattr(config, "model_type", None)
     table = _table()
     if model_type not in table:
+        hint = ""
+        if model_type in TEXT_CONFIGS:
+            hint = (
+                f" {model_type!r} wraps a vision tower around a text model: load its text "
+                f"config (model_type {TEXT_CONFIGS[model_type]!r}, e.g. config.text_config)."
+            )
         raise ValueError(
             f"unknown model family {model_type!r} (config.model_type); twinkle supports "
-            f"{', '.join(table)}. Use a config of one of these families."
+            f"{', '.join(table)}. Use a config of one of these families.{hint}"
         )
     return model_type
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from twinkle_fn.models.families import Moe, family
+from twinkle_fn.models.families import Family, Moe, family
 
 TRANSFORMS: dict[str, int] = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
 STAGES = ("first", "layer", "last")
@@ -121,24 +121,54 @@ TIED_LM_HEAD = Rule(
 
 
 def moe_rules(moe: Moe) -> tuple[Rule, ...]:
-    """The rules of an MoE layer's router and experts, named as `moe` lays them out in HF
-    checkpoints (one tensor per expert)."""
+    """The rules of an MoE layer's router, experts and shared expert (megatron-core's
+    ``mlp.shared_experts``, split over tp like a dense MLP, its gate whole), named as `moe`
+    lays them out in HF checkpoints (one tensor per expert)."""
     gate, up, down = (f"{_L}{moe.experts}.{{expert}}.{name}.weight" for name in moe.expert_linears)
-    return (
+    rules = [
         Rule((f"{_L}{moe.router}.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
         Rule((gate, up), _MC_EXPERT + "linear_fc1.weight", "gate_up", 0, layers="moe"),
         Rule((down,), _MC_EXPERT + "linear_fc2.weight", "copy", 1, layers="moe"),
-    )
+    ]
+    if moe.shared is not None:
+        sh = moe.shared
+        s_gate, s_up, s_down = (f"{_L}{sh.mlp}.{name}.weight" for name in sh.linears)
+        shared = _M + "mlp.shared_experts."
+        rules += [
+            Rule((s_gate, s_up), shared + "linear_fc1.weight", "gate_up", 0, layers="moe"),
+            Rule((s_down,), shared + "linear_fc2.weight", "copy", 1, layers="moe"),
+        ]
+        if sh.gate is not None:
+            gate_rule = Rule(
+                (f"{_L}{sh.gate}.weight",), shared + "gate_weight", "copy", None, layers="moe"
+            )
+            rules.append(gate_rule)
+    return tuple(rules)
+
+
+def megatron_family(hf_config: PretrainedConfig) -> Family:
+    """The row of `hf_config`'s family, when megatron-core can build it.
+
+    Raises ``ValueError`` for an unknown family (naming the known ones), and for a family the
+    transformers backend trains but megatron-core cannot express, with the row's reason.
+    """
+    row = family(hf_config)
+    if row.megatron is not None:
+        raise ValueError(
+            f"model family {row.name!r} is supported by the transformers backend but not by "
+            f"megatron: {row.megatron}. Use backend='transformers' for it."
+        )
+    return row
 
 
 def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
     """The bridge table of `hf_config`'s family, in HF checkpoint order.
 
     Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the family's
-    row (`twinkle_fn.models.families`) and the config. Raises ``ValueError`` for an unknown
-    family (naming the known ones).
+    row (`twinkle_fn.models.families`) and the config. Raises ``ValueError`` as
+    `megatron_family`.
     """
-    fam = family(hf_config)
+    fam = megatron_family(hf_config)
     rules = [EMBEDDING, INPUT_NORM, QKV]
     rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
     rules += QK_NORM if fam.qk_norm else ()
@@ -156,7 +186,7 @@ def moe_layers(hf_config: PretrainedConfig) -> tuple[bool, ...]:
 
     Dense families give all ``False``. Raises ``ValueError`` for an unknown family.
     """
-    moe = set(family(hf_config).moe_layers(hf_config))
+    moe = set(megatron_family(hf_config).moe_layers(hf_config))
     return tuple(i in moe for i in range(hf_config.num_hidden_layers))
 
 
@@ -169,6 +199,7 @@ class _Model:
     layers: int
     ffn: int
     moe_ffn: int
+    shared_ffn: int
     experts: int
     moe: tuple[bool, ...]
 
@@ -187,7 +218,7 @@ def _model(hf_config: PretrainedConfig) -> _Model:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = moe_layers(hf_config)
-    layout = family(hf_config).moe
+    layout = megatron_family(hf_config).moe
     return _Model(
         heads=heads,
         kv_heads=kv_heads,
@@ -196,6 +227,7 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         layers=hf_config.num_hidden_layers,
         ffn=hf_config.intermediate_size,
         moe_ffn=getattr(hf_config, layout.ffn) if any(moe) else 0,
+        shared_ffn=getattr(hf_config, layout.shared.ffn) if any(moe) and layout.shared else 0,
         experts=getattr(hf_config, layout.num_experts) if any(moe) else 0,
         moe=moe,
     )
@@ -244,6 +276,11 @@ def _check_layout(model: _Model, lay: _Layout) -> None:
         if model.experts % lay.ep:
             raise ValueError(
                 f"ep_size={lay.ep} does not divide num_experts={model.experts}; use one that does"
+            )
+        if model.shared_ffn % tp:
+            raise ValueError(
+                f"tp_size={tp} does not divide the shared expert's {model.shared_ffn} channels; "
+                "use a tp_size that does"
             )
         if model.moe_ffn % lay.etp:
             raise ValueError(

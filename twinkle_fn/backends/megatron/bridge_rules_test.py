@@ -27,3 +27,30 @@ def test_rule_validates_its_fields():
         Rule(("a",), "b", "rotate", None)
     with pytest.raises(ValueError, match="stage"):
         Rule(("a",), "b", "copy", None, stage="middle")
+
+
+def test_shared_experts_and_checkpoint_names_other_than_in_memory():
+    """Qwen2-MoE's shared expert (split like a dense MLP, its gate whole); Mixtral's experts as
+    its checkpoints name them (``block_sparse_moe``, w1 = gate, w3 = up, w2 = down)."""
+    shared = {r.mcore: r for r in rules_for(tiny_config("qwen2_moe")) if "shared" in r.mcore}
+    prefix = "decoder.layers.{layer}.mlp.shared_experts."
+    fc1, fc2, gate = (
+        shared[prefix + n] for n in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")
+    )
+    assert fc1.hf == (
+        "model.layers.{layer}.mlp.shared_expert.gate_proj.weight",
+        "model.layers.{layer}.mlp.shared_expert.up_proj.weight",
+    )
+    assert (fc1.transform, fc1.tp_dim, fc2.tp_dim, gate.tp_dim) == ("gate_up", 0, 1, None)
+    assert gate.hf == ("model.layers.{layer}.mlp.shared_expert_gate.weight",)
+    assert all(r.layers == "moe" for r in shared.values())
+    mixtral = [r.hf for r in rules_for(tiny_config("mixtral")) if r.layers == "moe"]
+    assert mixtral == [
+        ("model.layers.{layer}.block_sparse_moe.gate.weight",),
+        (
+            "model.layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight",
+            "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
+        ),
+        ("model.layers.{layer}.block_sparse_moe.experts.{expert}.w2.weight",),
+    ]
+    assert moe_layers(tiny_config("mixtral", num_hidden_layers=3)) == (True, True, True)

@@ -23,20 +23,26 @@ from twinkle_fn.backends.megatron.bridge import (
 )
 from twinkle_fn.backends.megatron.bridge_transforms import padded_vocab_size
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import FAMILIES
+from twinkle_fn.models.families import FAMILIES, family
 from twinkle_fn.testing import tiny_config
+
+# The families megatron-core builds (the others are refused: config_test).
+BUILT = tuple(name for name in FAMILIES if family(name).megatron is None)
 
 # Variants beyond the plain tiny configs: tied embeddings (the pp > 1 output copy), a head_dim
 # that is not hidden / heads, every llama bias, one kv head under tp=2 (megatron replicates kv
 # heads), and a Qwen3-MoE with a dense layer.
 CASES = {
-    **{family: {} for family in FAMILIES},
+    **{family: {} for family in BUILT},
     "qwen2-tied": {"tie_word_embeddings": True},
     "qwen3-hd16": {"head_dim": 16},
     "llama-bias": {"attention_bias": True, "mlp_bias": True},
     "mistral-kv1": {"num_key_value_heads": 1},
     "qwen3_moe-mixed": {"mlp_only_layers": [1]},
 }
+
+
+_MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def _config(case):
@@ -68,7 +74,7 @@ def _all_ranks(state, cfg, tp, pp, ep, **kw):
 
 def _meshes(case):
     # (tp, pp, ep, etp): MoE models also split experts over ep and, with etp = tp, within them.
-    if "moe" not in case:
+    if _config(case).model_type not in _MOE:
         return [(case, tp, pp, 1, 1) for tp, pp in itertools.product((1, 2), (1, 2))]
     grid = itertools.product((1, 2), (1, 2), (1, 2), (1, 2))
     return [(case, tp, pp, ep, etp) for tp, pp, ep, etp in grid if etp in (1, tp)]
@@ -89,6 +95,13 @@ def test_round_trip_is_bit_exact(checkpoints, case, tp, pp, ep, etp):
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
 
+def _experts(cfg):
+    """(experts, one expert's intermediate size) of an MoE config."""
+    if cfg.model_type == "mixtral":
+        return cfg.num_local_experts, cfg.intermediate_size
+    return cfg.num_experts, cfg.moe_intermediate_size
+
+
 def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
     """megatron-core's GPTModel parameter shapes on one rank, from the config."""
     h, v = cfg.hidden_size, padded_vocab_size(cfg.vocab_size, tp)
@@ -103,20 +116,25 @@ def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
         m = f"decoder.layers.{i}."
         shapes[m + "input_layernorm.weight"] = (h,)
         shapes[m + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
-        if cfg.model_type == "qwen2":
+        if cfg.model_type in ("qwen2", "qwen2_moe"):
             shapes[m + "self_attention.linear_qkv.bias"] = (qkv_rows,)
         if cfg.model_type.startswith("qwen3"):
             shapes[m + "self_attention.q_layernorm.weight"] = (hd,)
             shapes[m + "self_attention.k_layernorm.weight"] = (hd,)
         shapes[m + "self_attention.linear_proj.weight"] = (h, heads * hd // tp)
         shapes[m + "pre_mlp_layernorm.weight"] = (h,)
-        if cfg.model_type == "qwen3_moe":
-            e, f = cfg.num_experts, cfg.moe_intermediate_size
+        if cfg.model_type in _MOE:
+            e, f = _experts(cfg)
             shapes[m + "mlp.router.weight"] = (e, h)
             for j in range(e // ep):
                 x = f"{m}mlp.experts.local_experts.{j}."
                 shapes[x + "linear_fc1.weight"] = (2 * f // etp, h)
                 shapes[x + "linear_fc2.weight"] = (h, f // etp)
+            if cfg.model_type == "qwen2_moe":  # the shared expert: split over tp, gate whole
+                s, x = cfg.shared_expert_intermediate_size, f"{m}mlp.shared_experts."
+                shapes[x + "linear_fc1.weight"] = (2 * s // tp, h)
+                shapes[x + "linear_fc2.weight"] = (h, s // tp)
+                shapes[x + "gate_weight"] = (1, h)
         else:
             f = cfg.intermediate_size
             shapes[m + "mlp.linear_fc1.weight"] = (2 * f // tp, h)
@@ -129,11 +147,11 @@ def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
 
 
 @pytest.mark.parametrize(
-    ("case", "etp"), [*((c, 1) for c in (*FAMILIES, "qwen2-tied", "qwen3-hd16")), ("qwen3_moe", 2)]
+    ("case", "etp"), [*((c, 1) for c in (*BUILT, "qwen2-tied", "qwen3-hd16")), ("qwen3_moe", 2)]
 )
 def test_local_shapes_match_megatron_formula(checkpoints, case, etp):
     cfg, state = checkpoints[case]
-    ep = 2 if "moe" in case else 1
+    ep = 2 if cfg.model_type in _MOE else 1
     for (_, pp_rank, _), local in _all_ranks(state, cfg, 2, 2, ep, etp_size=etp).items():
         got = {name: tuple(t.shape) for name, t in local.items()}
         assert got == _expected_local_shapes(cfg, 2, 2, ep, etp, pp_rank)
@@ -212,15 +230,21 @@ def _mcore_config(cfg, num_layers, moe_freq):
         kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         ffn_hidden_size=cfg.intermediate_size,
         add_bias_linear=bias,
-        add_qkv_bias=cfg.model_type == "qwen2" or bias,
+        add_qkv_bias=cfg.model_type in ("qwen2", "qwen2_moe") or bias,
         qk_layernorm=cfg.model_type.startswith("qwen3"),
     )
     if any(moe_freq):
+        experts, ffn = _experts(cfg)
         out.update(
-            num_moe_experts=cfg.num_experts,
-            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            num_moe_experts=experts,
+            moe_ffn_hidden_size=ffn,
             moe_router_topk=cfg.num_experts_per_tok,
             moe_layer_freq=[int(m) for m in moe_freq],
+        )
+    if any(moe_freq) and cfg.model_type == "qwen2_moe":
+        out.update(
+            moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            moe_shared_expert_gate=True,
         )
     return out
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from transformers import PretrainedConfig
 
+from twinkle_fn.backends.megatron.bridge_rules import megatron_family
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import Family, family, flag_on
+from twinkle_fn.models.families import Family, flag_on
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
@@ -38,7 +39,16 @@ def _moe_fields(hf_config: PretrainedConfig, fam: Family, mesh: Mesh) -> dict[st
     layers = set(fam.moe_layers(hf_config))
     pattern = [int(i in layers) for i in range(hf_config.num_hidden_layers)]
     aux = bool(getattr(hf_config, "output_router_logits", False))
+    shared: dict[str, Any] = {}
+    if moe.shared is not None:
+        shared_ffn = getattr(hf_config, moe.shared.ffn)
+        _require_divides(mesh.tp, "tp", shared_ffn, "shared expert MLP channels")
+        shared = dict(
+            moe_shared_expert_intermediate_size=shared_ffn,
+            moe_shared_expert_gate=moe.shared.gate is not None,
+        )
     return dict(
+        **shared,
         num_moe_experts=experts,
         moe_layer_freq=pattern if 0 in pattern else 1,
         moe_router_topk=getattr(hf_config, moe.top_k),
@@ -105,11 +115,12 @@ def transformer_config(
     apex); set them False for the unfused ops. Any ``TransformerConfig`` field in `overrides`
     wins over the derived value.
 
-    Raises ``ValueError`` for an unknown family, an unknown override name, an unsupported
+    Raises ``ValueError`` for an unknown family or one megatron-core cannot express
+    (`bridge_rules.megatron_family`), an unknown override name, an unsupported
     architecture option, or a mesh size that does not divide the model (attention heads, kv
     heads and MLP channels by tp, layers by pp, experts by ep; ep > 1 on a dense model).
     """
-    fam = family(hf_config)
+    fam = megatron_family(hf_config)
     unknown = sorted(set(overrides) - _FIELDS)
     if unknown:
         raise ValueError(

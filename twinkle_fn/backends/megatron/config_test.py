@@ -18,24 +18,32 @@ from twinkle_fn.testing import random_features, tiny_config
 _FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "persist_layer_norm")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if family(f).megatron is None])
 def test_architecture_fields_follow_the_hf_config(family):
     hf = tiny_config(family, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5)
     cfg = transformer_config(hf, Mesh())
-    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 32, 64)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 32, hf.intermediate_size)
     assert (cfg.num_attention_heads, cfg.num_query_groups) == (8, 2)
     assert cfg.kv_channels == (8 if family.startswith("qwen3") else 32 // 8)
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
     assert not cfg.add_bias_linear
-    assert cfg.add_qkv_bias == (family == "qwen2")
+    assert cfg.add_qkv_bias == (family in ("qwen2", "qwen2_moe"))
     assert cfg.qk_layernorm == (family in ("qwen3", "qwen3_moe"))
     assert cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0
     assert cfg.use_cpu_initialization and not cfg.gradient_accumulation_fusion
     assert cfg.calculate_per_token_loss and cfg.variable_seq_lengths
     assert cfg.moe_token_dispatcher_type == "alltoall"
     assert cfg.params_dtype == torch.float32 and not cfg.bf16
-    assert (cfg.num_moe_experts is not None) == (family == "qwen3_moe")
+    assert (cfg.num_moe_experts is not None) == (family in ("qwen3_moe", "qwen2_moe", "mixtral"))
+    assert (cfg.moe_shared_expert_intermediate_size is not None) == (family == "qwen2_moe")
+
+
+def test_a_family_megatron_cannot_express_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="'gemma3_text' is supported by the transformers") as err:
+        transformer_config(tiny_config("gemma3_text"), Mesh())
+    assert "pre/post-feedforward norms" in str(err.value)
+    assert "backend='transformers'" in str(err.value)
 
 
 def test_qwen3_head_dim_is_not_hidden_over_heads():
@@ -58,6 +66,20 @@ def test_moe_fields_and_router_normalisation():
         tiny_config("qwen3_moe", num_hidden_layers=4, decoder_sparse_step=2), Mesh()
     )
     assert sparse_step.moe_layer_freq == [0, 1, 0, 1]
+
+
+def test_shared_experts_and_always_renormalised_routing():
+    """Qwen2-MoE's shared expert with its sigmoid gate; Mixtral renormalises its top k always
+    (megatron: a softmax over the top-k logits) and has experts of intermediate_size."""
+    qwen = transformer_config(tiny_config("qwen2_moe"), Mesh())
+    assert qwen.moe_shared_expert_intermediate_size == 32 and qwen.moe_shared_expert_gate
+    assert qwen.moe_ffn_hidden_size == 16 and qwen.moe_router_pre_softmax
+    mixtral = transformer_config(tiny_config("mixtral", num_hidden_layers=4), Mesh())
+    assert mixtral.num_moe_experts == 4 and mixtral.moe_ffn_hidden_size == 16
+    assert not mixtral.moe_router_pre_softmax and mixtral.moe_layer_freq == 1
+    assert mixtral.moe_shared_expert_intermediate_size is None
+    with pytest.raises(ValueError, match="tp=2 does not divide the 33 shared expert"):
+        transformer_config(tiny_config("qwen2_moe", shared_expert_intermediate_size=33), Mesh(tp=2))
     aux = transformer_config(
         tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01), Mesh()
     )

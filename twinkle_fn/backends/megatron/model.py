@@ -1,4 +1,12 @@
-"""Build megatron-core's ``GPTModel`` for an HF config on this rank's pipeline stage."""
+"""Build megatron-core's ``GPTModel`` for an HF config on this rank's pipeline stage.
+
+megatron-core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``. Every family here
+(attention layers only; dense, MoE and shared-expert MLPs) is built on ``GPTModel`` still: it
+is what the layer spec, the bridge's parameter names, LoRA, dist checkpoints and the CPU
+compatibility layer are written and tested against, and it builds these families exactly. A
+family with linear-attention layers (Qwen3.5 / Qwen3-Next's Gated DeltaNet) is the reason to
+move to ``HybridModel``, all families at once, so that one model class serves the backend.
+"""
 
 from __future__ import annotations
 

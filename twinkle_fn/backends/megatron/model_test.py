@@ -11,14 +11,18 @@ from megatron.core.distributed import (
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.megatron.bridge import hf_to_mcore
 from twinkle_fn.backends.megatron.model import build_gpt_model
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import FAMILIES
+from twinkle_fn.models.families import FAMILIES, family
 from twinkle_fn.testing import tiny_config
 from twinkle_fn.testing_dist import spawn
+
+# The families megatron-core builds (the others are refused: config_test).
+BUILT = tuple(name for name in FAMILIES if family(name).megatron is None)
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -29,7 +33,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,  # scales 3 of the 4 frequencies of head_dim 8
 }
 CASES = {
-    **{family: (family, {}) for family in FAMILIES},
+    **{family: (family, {}) for family in BUILT},
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "llama-rope3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
@@ -54,7 +58,7 @@ def _expected_names(case: str) -> set[str]:
         p = f"decoder.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"}
         names |= {p + f"self_attention.linear_{n}.weight" for n in ("qkv", "proj")}
-        if family == "qwen2" or getattr(cfg, "attention_bias", False):
+        if family in ("qwen2", "qwen2_moe") or getattr(cfg, "attention_bias", False):
             names.add(p + "self_attention.linear_qkv.bias")
         if getattr(cfg, "mlp_bias", False):
             names |= {p + "self_attention.linear_proj.bias", p + "mlp.linear_fc1.bias"}
@@ -64,31 +68,18 @@ def _expected_names(case: str) -> set[str]:
                 p + "self_attention.q_layernorm.weight",
                 p + "self_attention.k_layernorm.weight",
             }
-        if family == "qwen3_moe" and i not in dense_layers:
+        if family in ("qwen3_moe", "qwen2_moe", "mixtral") and i not in dense_layers:
             names.add(p + "mlp.router.weight")
-            for j in range(cfg.num_experts):
+            for j in range(getattr(cfg, "num_experts", None) or cfg.num_local_experts):
                 e = f"{p}mlp.experts.local_experts.{j}."
                 names |= {e + "linear_fc1.weight", e + "linear_fc2.weight"}
+            if family == "qwen2_moe":
+                shared = p + "mlp.shared_experts."
+                names |= {shared + n for n in ("linear_fc1.weight", "linear_fc2.weight")}
+                names.add(shared + "gate_weight")
         else:
             names |= {p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"}
     return names
-
-
-def _checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' in-memory state with fused experts -> per-expert checkpoint names."""
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name.removesuffix("gate_up_proj")
-            for e, fused in enumerate(tensor):
-                gate, up = fused.chunk(2)
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            out |= {f"{base}{e}.down_proj.weight": w for e, w in enumerate(tensor)}
-        else:
-            out[name] = tensor
-    return out
 
 
 def _hf_model(case: str):
@@ -106,7 +97,7 @@ def _tokens(cfg, batch=2):
 def _load(model, hf, cfg, mesh: Mesh, rank: int, vocab_multiple: int = 128) -> None:
     coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
     local = hf_to_mcore(
-        _checkpoint_names(hf.state_dict()),
+        revert_weight_conversion(hf, hf.state_dict()),
         cfg,
         tp_rank=coords["tp"],
         tp_size=mesh.tp,

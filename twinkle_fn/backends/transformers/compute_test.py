@@ -67,6 +67,10 @@ def test_a_mask_mapping_family_builds_no_mask(name, monkeypatch):
     """The decoders of families with `Family.mask_mapping` take the mapping as their masks:
     transformers' mask creation (which reads the positions on the device) never runs."""
     config = tiny_config(name, vocab_size=64)
+    if set(getattr(config, "layer_types", None) or ()) - {"full_attention"}:
+        # sliding layers need their masks built: the mapping serves full attention only
+        layers = ["full_attention"] * config.num_hidden_layers
+        config = tiny_config(name, vocab_size=64, layer_types=layers)
     module = tf.models.from_hf_config(config, seed=0).module.eval()
     decoder_module = importlib.import_module(type(module.get_decoder()).__module__)
 

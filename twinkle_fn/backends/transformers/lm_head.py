@@ -79,8 +79,16 @@ def fuse_lm_head(module: torch.nn.Module) -> FusedLMHead:
     """Turn `module`'s output embedding (an ``nn.Linear``) into a `FusedLMHead`, in place.
 
     The parameters stay the same objects (tied embeddings stay tied). Raises ``TypeError`` when
-    the output embedding is not an ``nn.Linear``.
+    the output embedding is not an ``nn.Linear``, and ``ValueError`` when the model caps its
+    logits (``final_logit_softcapping``: the cap follows the lm_head, and the fused loss would
+    pass through it).
     """
+    cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(
+            f"final_logit_softcapping={cap} is not supported: twinkle fuses the loss into the "
+            "lm_head, before the cap. Use final_logit_softcapping=None."
+        )
     head = module.get_output_embeddings()
     if type(head) is not torch.nn.Linear and not isinstance(head, FusedLMHead):
         raise TypeError(f"the lm_head is a {type(head).__name__}; twinkle needs an nn.Linear")

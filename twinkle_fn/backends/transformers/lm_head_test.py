@@ -1,5 +1,6 @@
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from twinkle_fn.backends.transformers.lm_head import (
     FusedLMHead,
@@ -80,3 +81,11 @@ def test_under_autocast_the_head_projects_in_the_autocast_dtype(monkeypatch):
     assert seen["dtypes"] == (torch.bfloat16, torch.bfloat16)
     assert seen["rows"] is rows  # loss_mode's precomputed rows reach the fused loss
     assert head._rows is None and head._labels is None
+
+
+def test_capped_logits_are_refused():
+    module = AutoModelForCausalLM.from_config(
+        tiny_config("gemma3_text", final_logit_softcapping=30.0)
+    )
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0 is not supported"):
+        fuse_lm_head(module)

@@ -56,13 +56,17 @@ def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
     parallelism belongs to the Megatron backend. Raises ``ValueError`` naming the size that `tp`
     does not divide, or for an unknown family.
     """
-    plan = dict(family(config).tp_plan)
+    row = family(config)
+    plan = dict(row.tp_plan)
     sizes = {
         "attention heads": config.num_attention_heads,
         "key/value heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
     }
     if "mlp.up_proj" in plan:
         sizes["MLP intermediate features"] = config.intermediate_size
+    shared = row.moe.shared if row.moe is not None else None
+    if shared is not None and any(sub.startswith(f"{shared.mlp}.") for sub in plan):
+        sizes["shared expert intermediate features"] = getattr(config, shared.ffn)
     for what, n in sizes.items():
         if n % tp:
             raise ValueError(

@@ -70,3 +70,18 @@ def test_local_specs_cut_tp_then_fsdp():
 def test_tp_that_does_not_divide_is_named(overrides, tp, what):
     with pytest.raises(ValueError, match=f"tp={tp} does not divide the {what}"):
         tp_plan(tiny_config("qwen2", **overrides), tp)
+
+
+def test_a_shared_expert_is_split_like_a_dense_mlp():
+    plan = tp_plan(tiny_config("qwen2_moe"), 2)
+    assert plan["mlp.shared_expert.down_proj"] == "rowwise"
+    specs = param_specs(
+        ["model.layers.0.mlp.shared_expert.up_proj.weight", "model.layers.0.mlp.gate.weight"],
+        tiny_config("qwen2_moe"),
+        Mesh(tp=2),
+    )
+    assert specs["model.layers.0.mlp.shared_expert.up_proj.weight"][0] == ShardSpec(0, "tp")
+    assert specs["model.layers.0.mlp.gate.weight"] == (ShardSpec(0, "fsdp"),)
+    bad = tiny_config("qwen2_moe", num_key_value_heads=4, shared_expert_intermediate_size=30)
+    with pytest.raises(ValueError, match="30 shared expert intermediate features"):
+        tp_plan(bad, 4)
