@@ -49,21 +49,33 @@ def _batches() -> list[dict]:
 
 
 def _train(mesh_sizes: dict) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    """For padded and packed batches: losses of STEPS AdamW steps from the same weights (every
-    rank gets the whole batch: ulysses ranks share a data shard) and the final parameters."""
+    """For padded batches, packed ones, and both as two micro-batches of a step: losses of STEPS
+    AdamW steps from the same weights (every rank gets the whole batch: ulysses ranks share a
+    data shard) and the final parameters."""
     batches = _batches()
     out = {}
     for layout, part in (("padded", batches[:STEPS]), ("packed", batches[STEPS:])):
-        model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, device="cpu")
-        model.module.to(torch.float64)
-        state = tf.init(model, tf.optim.adamw(1e-2), tf.Mesh(**mesh_sizes))
-        losses = []
-        for batch in part:
-            grads, _ = tf.fwd_bwd(state, batch)
-            state, info = tf.step(state, grads)
-            losses.append(float(info["loss"]))
-        out[layout] = (losses, tf.unshard(state))
+        out[layout] = _steps(mesh_sizes, [[b] for b in part])
+    # two accumulated micro-batches a step: each micro-batch's gradients are summed over the
+    # group before they join the accumulated ones
+    out["accumulated"] = _steps(mesh_sizes, [batches[:STEPS], batches[STEPS:]])
     return out
+
+
+def _steps(mesh_sizes: dict, steps: list[list[dict]]) -> tuple[list[float], dict]:
+    """Losses of one AdamW step per entry of `steps` (its micro-batches accumulated), and the
+    final parameters."""
+    model = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, device="cpu")
+    model.module.to(torch.float64)
+    state = tf.init(model, tf.optim.adamw(1e-2), tf.Mesh(**mesh_sizes))
+    losses = []
+    for micro_batches in steps:
+        grads = None
+        for batch in micro_batches:
+            grads, _ = tf.fwd_bwd(state, batch, accum=grads)
+        state, info = tf.step(state, grads)
+        losses.append(float(info["loss"]))
+    return losses, tf.unshard(state)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +84,7 @@ def runs():
     return _train({}), spawn(_train, 2, {"ulysses": 2})
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "accumulated"])
 def test_ulysses2_matches_one_process(runs, layout):
     """float64, so that a wrong gradient cannot hide in rounding: the ranks sum each row's token
     losses in two parts, so losses agree to ~1e-15 (asserted 1e-12) and parameters after 2
