@@ -6,6 +6,7 @@ against the core's `twinkle_fn.Mesh` and against upstream's formulas written out
 
 import inspect
 
+import numpy as np
 import pytest
 
 import twinkle
@@ -99,7 +100,6 @@ def test_stage_and_collect_ranks():
             {"vpp_size": 2, "pp_size": 2},
             "vpp_size=2: virtual pipeline parallelism is not supported",
         ),
-        ({"ulysses_size": 2, "dp_size": 2}, "ulysses_size=2: Ulysses sequence parallelism"),
         ({"world_size": 8, "dp_size": 2, "tp_size": 2}, "world_size=8 but the sizes give"),
         ({"world_size": 6, "dp_size": None, "tp_size": 4}, "cannot hold"),
         ({"tp_size": 0}, "tp_size must be a positive int"),
@@ -113,6 +113,20 @@ def test_bad_meshes_raise(kwargs, match):
 
 def test_unit_vpp_and_ulysses_are_accepted():
     assert DeviceMesh.from_sizes(vpp_size=1, ulysses_size=1).world_size == 1
+
+
+def test_ulysses_size_is_the_core_ulysses_axis():
+    mesh = DeviceMesh.from_sizes(ulysses_size=2)
+    assert mesh.mesh == Mesh(ulysses=2) and mesh.ulysses_size == 2
+    assert mesh.world_size == 2 and mesh.data_world_size == 1  # its ranks share the data
+    assert DeviceMesh(ulysses_size=2).mesh == Mesh(ulysses=2)
+    assert DeviceMesh.from_sizes(world_size=8, dp_size=None, ulysses_size=2, tp_size=2).mesh == (
+        Mesh(dp=2, tp=2, ulysses=2)
+    )
+    with pytest.raises(ValueError, match="ulysses_size=4 disagrees with the mesh's 2"):
+        DeviceMesh(Mesh(ulysses=2), ulysses_size=4)
+    with pytest.raises(ValueError, match="ulysses_size=2 with a rank array"):
+        DeviceMesh(mesh=np.arange(2), mesh_dim_names=("dp",), ulysses_size=2)
 
 
 def test_a_rank_outside_the_mesh_is_named(monkeypatch):

@@ -8,8 +8,10 @@ fsdp`` data shards.
 
 Differences from upstream, all deliberate: an axis that was not set reports size 1 and rank 0
 (upstream: size 0 and rank None); ``get_slice`` refuses a batch smaller than the number of data
-ranks (upstream hands some ranks nothing); ``vpp_size > 1`` (upstream marks VPP as broken) and
-``ulysses_size > 1`` (no Ulysses sequence parallelism in the core) are refused; a rank array
+ranks (upstream hands some ranks nothing); ``vpp_size > 1`` is refused (upstream marks VPP as
+broken); ``ulysses_size`` is the core's ``ulysses`` axis, which adds ranks to the world
+(upstream carves it out of ``dp * fsdp``: ``from_sizes(fsdp_size=2, ulysses_size=2)`` is 4
+ranks here, 2 upstream) and is refused with a rank array; a rank array
 (``DeviceMesh(mesh=np.ndarray, mesh_dim_names=...)``) must follow the core's order, so
 upstream's ``from_sizes`` layout with fsdp outermost is refused when fsdp > 1 meets dp or pp > 1
 (`from_sizes` here builds the core's layout instead); ``mesh`` is the core mesh, not the array.
@@ -109,6 +111,25 @@ def _mesh_from_array(
     return core, names
 
 
+def _with_ulysses(mesh: Mesh, ulysses_size: int | None, from_core: bool) -> Mesh:
+    """`mesh` with ``ulysses = ulysses_size`` (the core's Ulysses axis). Raises ``ValueError``
+    when a core mesh has another ulysses size, or for ulysses with a rank array."""
+    size = _optional_size("ulysses_size", ulysses_size)
+    if ulysses_size is None or size == mesh.ulysses:
+        return mesh
+    if not from_core:
+        raise ValueError(
+            f"ulysses_size={ulysses_size} with a rank array: the array has no ulysses axis; "
+            "use DeviceMesh.from_sizes(..., ulysses_size=...)"
+        )
+    if mesh.ulysses != 1:
+        raise ValueError(
+            f"ulysses_size={ulysses_size!r} disagrees with the mesh's {mesh.ulysses!r}; set it on "
+            "the twinkle_fn.Mesh and leave it unset here"
+        )
+    return dataclasses.replace(mesh, ulysses=size)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceMesh:
     """The parallel layout of a job: a `twinkle_fn.Mesh` plus upstream's extra attributes.
@@ -167,12 +188,7 @@ class DeviceMesh:
                 f"vpp_size={self.vpp_size}: virtual pipeline parallelism is not supported "
                 "(upstream Twinkle documents it as broken); leave vpp_size unset"
             )
-        if _optional_size("ulysses_size", self.ulysses_size) > 1:
-            raise ValueError(
-                f"ulysses_size={self.ulysses_size}: Ulysses sequence parallelism is not "
-                "supported by this build; leave ulysses_size unset (tp_size with "
-                "sequence_parallel=True splits sequences across tensor-parallel ranks)"
-            )
+        mesh = _with_ulysses(mesh, self.ulysses_size, isinstance(self.mesh, Mesh))
         # Frozen: the normalized values are written once, here.
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "mesh_dim_names", names)
@@ -180,6 +196,7 @@ class DeviceMesh:
         object.__setattr__(self, "etp_size", mesh.etp)
         object.__setattr__(self, "ep_fsdp_size", mesh.edp if mesh.ep > 1 else self.ep_fsdp_size)
         object.__setattr__(self, "sequence_parallel", mesh.sequence_parallel)
+        object.__setattr__(self, "ulysses_size", mesh.ulysses)
 
     @staticmethod
     def from_sizes(
@@ -205,7 +222,7 @@ class DeviceMesh:
         ``ep_fsdp_size`` may be left out (the core shards experts over ``world // (etp * ep *
         pp)`` ranks, upstream's ``world // ep`` without pp or etp) or given as that number.
         Raises ``ValueError`` for sizes that do not multiply to `world_size`, for
-        ``vpp_size > 1`` or ``ulysses_size > 1``, another ``ep_fsdp_size``, and for what
+        ``vpp_size > 1``, another ``ep_fsdp_size``, and for what
         `twinkle_fn.Mesh` rejects.
         """
         sizes = {
@@ -215,9 +232,9 @@ class DeviceMesh:
             "cp": _optional_size("cp_size", cp_size),
             "ep": _optional_size("ep_size", ep_size),
             "etp": _optional_size("etp_size", etp_size),
+            "ulysses": _optional_size("ulysses_size", ulysses_size),
         }
         extra = {
-            "ulysses_size": ulysses_size,
             "vpp_size": vpp_size,
             "device_type": device_type,
             "ep_fsdp_size": ep_fsdp_size,
@@ -241,7 +258,7 @@ class DeviceMesh:
     # Sizes.
     @property
     def world_size(self) -> int:
-        """Ranks in the mesh: ``dp * fsdp * tp * pp * cp``."""
+        """Ranks in the mesh: ``dp * fsdp * tp * pp * cp * ulysses``."""
         return self.mesh.world_size
 
     @property
@@ -300,7 +317,7 @@ class DeviceMesh:
 
     def get_dim_size(self, dim_name: str) -> int:
         """Size of axis `dim_name`. Raises ``ValueError`` for an unknown axis."""
-        if dim_name not in (*_AXES, "ep", "etp"):
+        if dim_name not in (*_AXES, "ep", "etp", "ulysses"):
             raise ValueError(f"unknown mesh axis {dim_name!r}; use one of {', '.join(_AXES)}, ep")
         return getattr(self.mesh, dim_name)
 

@@ -3,10 +3,11 @@
 Nothing here touches torch.distributed, so every map can be property-tested in one process.
 
 Dense layout (attention, MLP, embeddings): Megatron's ``order='tp-cp-ep-dp-pp'`` with our data
-parallelism split into ``fsdp`` (shards) inside ``dp`` (replicas), i.e. ``tp-cp-fsdp-dp-pp``,
+parallelism split into ``fsdp`` (shards) inside ``dp`` (replicas), and the transformers backend's
+Ulysses sequence parallelism (``ulysses``) next to ``cp``, i.e. ``tp-cp-ulysses-fsdp-dp-pp``,
 tp fastest::
 
-    rank = tp + T*(cp + C*(fsdp + F*(dp + D*pp)))
+    rank = tp + T*(cp + C*(ulysses + U*(fsdp + F*(dp + D*pp))))
 
 so Megatron's data-parallel index is ``dp * fsdp_size + fsdp`` (upstream Twinkle's ``data_rank``).
 
@@ -20,17 +21,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DENSE_AXES = ("tp", "cp", "fsdp", "dp", "pp")
+DENSE_AXES = ("tp", "cp", "ulysses", "fsdp", "dp", "pp")
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
 # Composite names accepted by `Mesh.group_ranks`; each is a group over several dense axes.
 COMPOSITE_AXES = (("dp_total", ("fsdp", "dp")), ("mp", ("tp", "pp")))
 # Every name `Mesh.groups_of` reports, in a fixed order.
-GROUP_NAMES = ("tp", "cp", "fsdp", "dp", "pp", "dp_total", "mp", "etp", "ep", "edp")
+GROUP_NAMES = ("tp", "cp", "ulysses", "fsdp", "dp", "pp", "dp_total", "mp", "etp", "ep", "edp")
 # Axes with a size and a per-rank coordinate (what a `ShardSpec` may split over).
-COORD_AXES = ("tp", "cp", "fsdp", "dp", "pp", "etp", "ep", "edp")
+COORD_AXES = ("tp", "cp", "ulysses", "fsdp", "dp", "pp", "etp", "ep", "edp")
 
-_SIZE_FIELDS = ("dp", "fsdp", "tp", "pp", "cp", "ep", "etp")
-_WORLD_FIELDS = ("dp", "fsdp", "tp", "pp", "cp")
+_SIZE_FIELDS = ("dp", "fsdp", "tp", "pp", "cp", "ep", "etp", "ulysses")
+_WORLD_FIELDS = ("dp", "fsdp", "tp", "pp", "cp", "ulysses")
 
 _Layout = tuple[tuple[str, int], ...]
 
@@ -78,6 +79,8 @@ class Mesh:
     the state is sharded over ``fsdp`` and replicated over ``dp`` (HSDP). ``tp``, ``pp``, ``cp`` are
     tensor, pipeline and context parallelism; ``ep``/``etp`` are expert and expert-tensor
     parallelism, laid over the same world; ``sequence_parallel`` is Megatron's SP (needs tp > 1).
+    ``ulysses`` is DeepSpeed-Ulysses sequence parallelism (transformers backend): its ranks share
+    one data shard (like cp) and split each sequence, trading heads for sequence in attention.
 
     Raises ``ValueError`` for a size that is not a positive int, ``sequence_parallel`` with
     ``tp == 1``, or ``etp * ep`` not dividing ``tp * cp * fsdp * dp``.
@@ -91,6 +94,7 @@ class Mesh:
     ep: int = 1
     etp: int = 1
     sequence_parallel: bool = False
+    ulysses: int = 1
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -105,11 +109,12 @@ class Mesh:
                 "mesh sequence_parallel=True needs tp > 1 (it splits activations over the "
                 "tensor-parallel group); set tp > 1 or sequence_parallel=False"
             )
-        non_pp = self.tp * self.cp * self.fsdp * self.dp
+        non_pp = self.tp * self.cp * self.ulysses * self.fsdp * self.dp
         if non_pp % (self.etp * self.ep):
             raise ValueError(
                 f"mesh etp={self.etp} x ep={self.ep} = {self.etp * self.ep} must divide "
-                f"tp x cp x fsdp x dp = {non_pp} (the ranks of one pipeline stage); choose ep "
+                f"tp x cp x ulysses x fsdp x dp = {non_pp} (the ranks of one pipeline stage); "
+                "choose ep "
                 f"and etp whose product divides {non_pp}"
             )
 
@@ -135,8 +140,8 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks: ``tp * cp * fsdp * dp * pp`` (ep and etp reuse these ranks)."""
-        return self.tp * self.cp * self.fsdp * self.dp * self.pp
+        """Number of ranks: ``tp * cp * ulysses * fsdp * dp * pp`` (ep and etp reuse them)."""
+        return self.tp * self.cp * self.ulysses * self.fsdp * self.dp * self.pp
 
     @property
     def edp(self) -> int:
@@ -175,12 +180,12 @@ class Mesh:
         desc = " x ".join(f"{k}={getattr(self, k)}" for k in _WORLD_FIELDS if getattr(self, k) > 1)
         raise ValueError(
             f"mesh {desc or 'dp=1'} = {self.world_size} ranks but the world has {world_size}; "
-            f"make the product of dp, fsdp, tp, pp and cp equal {world_size} "
+            f"make the product of dp, fsdp, tp, pp, cp and ulysses equal {world_size} "
             f"(Mesh.from_world({world_size}, ...) fills dp)"
         )
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Dense coordinates ``{tp, cp, fsdp, dp, pp}`` of `rank`.
+        """Dense coordinates ``{tp, cp, ulysses, fsdp, dp, pp}`` of `rank`.
 
         Raises ``ValueError`` if `rank` is out of range.
         """
@@ -203,12 +208,15 @@ class Mesh:
                 )
         return _compose(layout, coords)
 
-    def rank(self, *, tp: int = 0, cp: int = 0, fsdp: int = 0, dp: int = 0, pp: int = 0) -> int:
+    def rank(
+        self, *, tp: int = 0, cp: int = 0, ulysses: int = 0, fsdp: int = 0, dp: int = 0, pp: int = 0
+    ) -> int:
         """The rank at the given dense coordinates (missing ones are 0); inverse of `coords`.
 
         Raises ``ValueError`` for a coordinate outside ``[0, size)``.
         """
-        return self._compose_checked(self._dense(), dict(tp=tp, cp=cp, fsdp=fsdp, dp=dp, pp=pp))
+        coords = dict(tp=tp, cp=cp, ulysses=ulysses, fsdp=fsdp, dp=dp, pp=pp)
+        return self._compose_checked(self._dense(), coords)
 
     def expert_rank(self, *, etp: int = 0, ep: int = 0, edp: int = 0, pp: int = 0) -> int:
         """The rank at the given expert coordinates (missing ones are 0); see `expert_coords`.
@@ -237,7 +245,7 @@ class Mesh:
     def group_ranks(self, axes: str | tuple[str, ...]) -> list[list[int]]:
         """Partition of the world into groups whose members differ only along `axes`.
 
-        `axes` names dense axes (tp, cp, fsdp, dp, pp, and ``dp_total`` = fsdp+dp, ``mp`` = tp+pp)
+        `axes` names dense axes (tp, cp, ulysses, fsdp, dp, pp, and ``dp_total`` = fsdp+dp, ``mp`` = tp+pp)
         or expert axes (etp, ep, edp, and pp); groups, and ranks within a group, are in
         increasing rank order, as megatron-core's ``RankGenerator.get_ranks`` returns them.
         Raises ``ValueError`` for an unknown name or a mix of dense-only and expert-only axes.
@@ -259,7 +267,8 @@ class Mesh:
         return out
 
     def data_rank(self, rank: int) -> int:
-        """Index of `rank`'s data shard: ``dp * fsdp_size + fsdp`` (tp/cp/pp peers share it)."""
+        """Index of `rank`'s data shard: ``dp * fsdp_size + fsdp`` (tp/cp/ulysses/pp peers share
+        it)."""
         c = self.coords(rank)
         return c["dp"] * self.fsdp + c["fsdp"]
 

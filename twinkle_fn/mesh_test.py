@@ -10,7 +10,7 @@ HSDP = Mesh(dp=2, fsdp=2, tp=2, pp=2, ep=2)
 def test_defaults_are_one_rank():
     m = Mesh()
     assert m.world_size == 1 and m.data_world_size == 1 and m.edp == 1
-    assert m.coords(0) == dict(tp=0, cp=0, fsdp=0, dp=0, pp=0)
+    assert m.coords(0) == dict(tp=0, cp=0, ulysses=0, fsdp=0, dp=0, pp=0)
     assert m.group_ranks("tp") == [[0]]
 
 
@@ -18,18 +18,18 @@ def test_world_and_sizes():
     assert HSDP.world_size == 16
     assert HSDP.data_world_size == 4
     assert HSDP.edp == 4  # 16 // (etp=1 * ep=2 * pp=2)
-    assert HSDP.sizes == dict(tp=2, cp=1, fsdp=2, dp=2, pp=2, etp=1, ep=2, edp=4)
+    assert HSDP.sizes == dict(tp=2, cp=1, ulysses=1, fsdp=2, dp=2, pp=2, etp=1, ep=2, edp=4)
     assert tuple(HSDP.sizes) == COORD_AXES
 
 
 def test_coords_follow_tp_cp_fsdp_dp_pp_order():
-    assert HSDP.coords(1) == dict(tp=1, cp=0, fsdp=0, dp=0, pp=0)
-    assert HSDP.coords(2) == dict(tp=0, cp=0, fsdp=1, dp=0, pp=0)
-    assert HSDP.coords(4) == dict(tp=0, cp=0, fsdp=0, dp=1, pp=0)
-    assert HSDP.coords(8) == dict(tp=0, cp=0, fsdp=0, dp=0, pp=1)
-    assert HSDP.coords(15) == dict(tp=1, cp=0, fsdp=1, dp=1, pp=1)
+    assert HSDP.coords(1) == dict(tp=1, cp=0, ulysses=0, fsdp=0, dp=0, pp=0)
+    assert HSDP.coords(2) == dict(tp=0, cp=0, ulysses=0, fsdp=1, dp=0, pp=0)
+    assert HSDP.coords(4) == dict(tp=0, cp=0, ulysses=0, fsdp=0, dp=1, pp=0)
+    assert HSDP.coords(8) == dict(tp=0, cp=0, ulysses=0, fsdp=0, dp=0, pp=1)
+    assert HSDP.coords(15) == dict(tp=1, cp=0, ulysses=0, fsdp=1, dp=1, pp=1)
     m = Mesh(tp=2, cp=3)
-    assert m.coords(5) == dict(tp=1, cp=2, fsdp=0, dp=0, pp=0)
+    assert m.coords(5) == dict(tp=1, cp=2, ulysses=0, fsdp=0, dp=0, pp=0)
 
 
 def test_rank_is_inverse_of_coords_and_defaults_to_zero():
@@ -144,7 +144,9 @@ def test_sequence_parallel_errors():
 
 
 def test_expert_sizes_must_divide_stage():
-    with pytest.raises(ValueError, match=r"etp=2 x ep=3 = 6 must divide tp x cp x fsdp x dp = 8"):
+    with pytest.raises(
+        ValueError, match=r"etp=2 x ep=3 = 6 must divide tp x cp x ulysses x fsdp x dp = 8"
+    ):
         Mesh(dp=8, ep=3, etp=2)
     with pytest.raises(ValueError, match="must divide"):
         Mesh(dp=2, pp=4, ep=4)  # world 8 but only 2 ranks per stage
@@ -220,3 +222,14 @@ def test_get_slice_errors():
         Mesh(dp=4).get_slice(3, 0)
     with pytest.raises(ValueError, match="total must be an int"):
         Mesh(dp=4).get_slice(4.0, 0)  # type: ignore[arg-type]
+
+
+def test_ulysses_sits_between_cp_and_fsdp_and_shares_the_data_shard():
+    # rank = tp + 2*(ulysses + 2*fsdp), written out by hand
+    m = Mesh(tp=2, ulysses=2, fsdp=2)
+    assert m.world_size == 8 and m.data_world_size == 2
+    assert m.coords(2) == dict(tp=0, cp=0, ulysses=1, fsdp=0, dp=0, pp=0)
+    assert m.coords(4) == dict(tp=0, cp=0, ulysses=0, fsdp=1, dp=0, pp=0)
+    assert m.group_ranks("ulysses") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert m.data_rank(2) == m.data_rank(0) == 0 and m.data_rank(4) == 1
+    assert Mesh.from_world(4, ulysses=2).dp == 2

@@ -38,11 +38,17 @@ def initialize(mesh: Mesh, seed: int = 0, *, vpp: int | None = None) -> None:
     expert-parallel streams). With CUDA, selects the device ``LOCAL_RANK``; without, enables
     `cpu_compat`.
 
-    Raises ``ValueError`` for ``vpp > 1`` (virtual pipeline parallelism is not supported yet)
-    or a mesh whose size differs from the world's, and ``RuntimeError`` if torch.distributed is
-    not initialized or megatron-core's state already is (call `destroy` first).
+    Raises ``ValueError`` for ``vpp > 1`` (virtual pipeline parallelism is not supported yet),
+    ``ulysses > 1`` (the transformers backend's) or a mesh whose size differs from the world's,
+    and ``RuntimeError`` if torch.distributed is not initialized or megatron-core's state
+    already is (call `destroy` first).
     """
     _check_vpp(vpp)
+    if mesh.ulysses > 1:
+        raise ValueError(
+            f"mesh ulysses={mesh.ulysses}: Ulysses sequence parallelism belongs to the "
+            "transformers backend; use cp (context parallelism) on the megatron backend"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized; call torch.distributed.init_process_group "

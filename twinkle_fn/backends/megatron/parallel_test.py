@@ -109,6 +109,8 @@ def test_vpp_is_refused_before_anything_is_initialized():
         parallel.initialize(Mesh(), vpp=2)
     with pytest.raises(ValueError, match="vpp must be None or a positive int"):
         parallel.initialize(Mesh(), vpp=0)
+    with pytest.raises(ValueError, match="ulysses=2: Ulysses sequence parallelism belongs to"):
+        parallel.initialize(Mesh(ulysses=2))
     assert (parallel_state.model_parallel_is_initialized(), cpu_compat.is_enabled()) == before
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from peft import LoraConfig
 
 from twinkle_fn.backends.transformers import (
@@ -85,8 +86,15 @@ class TransformersBackend:
         return init_loss_scale(scale) if model.compute_dtype == torch.float16 else None
 
     def loss_of(self, state: TrainState, batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        """See `twinkle_fn.backends.transformers.compute.loss_of`."""
-        return compute.loss_of(state, batch)
+        """See `twinkle_fn.backends.transformers.compute.loss_of`; under ulysses, summed over the
+        group (each rank computed its slice of the batch)."""
+        out = compute.loss_of(state, batch)
+        group = _ulysses_group(state)
+        if group is None:
+            return out
+        sums = torch.stack([out.loss_sum.double(), out.num_tokens.double()])
+        dist.all_reduce(sums, group=group)
+        return LossOutput(sums[0].to(out.loss_sum.dtype), sums[1].to(out.num_tokens.dtype))
 
     def fwd_bwd(
         self,
@@ -107,7 +115,9 @@ class TransformersBackend:
         disable_lora: bool,
         return_logits: bool,
     ) -> dict[str, torch.Tensor]:
-        """See `twinkle_fn.backends.transformers.logps.token_logps`."""
+        """See `twinkle_fn.backends.transformers.logps.token_logps`. Raises ``ValueError``
+        under ulysses."""
+        _refuse_ulysses(state, "tf.token_logps")
         out = logps.token_logps(state, batch, temperature, disable_lora, return_logits)
         fsdp.reshard(state.model)
         return out
@@ -115,7 +125,9 @@ class TransformersBackend:
     def token_values(
         self, state: TrainState, batch: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """See `twinkle_fn.backends.transformers.compute.token_values`."""
+        """See `twinkle_fn.backends.transformers.compute.token_values`. Raises ``ValueError``
+        under ulysses."""
+        _refuse_ulysses(state, "tf.token_values")
         with torch.no_grad():
             values = compute.token_values(state, batch)
         fsdp.reshard(state.model)
@@ -252,3 +264,17 @@ class TransformersBackend:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """See `twinkle_fn.backends.transformers.export.export_weights`."""
         return export.export_weights(state, dtype, bucket_bytes, lora)
+
+
+def _ulysses_group(state: TrainState) -> dist.ProcessGroup | None:
+    placement = state.model.placement
+    return None if placement is None else placement.ulysses_group
+
+
+def _refuse_ulysses(state: TrainState, what: str) -> None:
+    """``ValueError`` for per-token outputs under ulysses (each rank holds a slice of them)."""
+    if _ulysses_group(state) is not None:
+        raise ValueError(
+            f"{what} under mesh ulysses={state.mesh.ulysses} is not supported yet (each rank "
+            "computes a slice of every row); compute it on a mesh with ulysses=1"
+        )

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from twinkle_fn.backends.transformers import attention
+from twinkle_fn.backends.transformers import attention, ulysses
 from twinkle_fn.backends.transformers.lm_head import loss_mode, terms_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
@@ -122,6 +122,24 @@ def model_inputs(
     return kwargs
 
 
+def local_batch(model: Model, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`batch` as this rank computes it: its slice of every row under ulysses
+    (`ulysses.local_batch`), else `batch` itself."""
+    placement = model.placement
+    group = None if placement is None else placement.ulysses_group
+    if group is None:
+        return batch
+    return ulysses.local_batch(batch, group.size(), group.rank())
+
+
+def decoder_inputs(model: Model, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """`model_inputs` of `batch` (a `local_batch`) on the model's device, or under ulysses
+    `ulysses.model_inputs`."""
+    if model.placement is not None and model.placement.ulysses_group is not None:
+        return ulysses.model_inputs(batch, model.device)
+    return model_inputs(batch, model.device, model.module.config)
+
+
 def _takes_packed_kwargs(config: PretrainedConfig | None, ids: torch.Tensor) -> bool:
     """Whether a packed row goes to `attention`'s varlen path: the decoder runs
     `attention.NAME` and the batch is one row."""
@@ -178,6 +196,7 @@ def loss_of(
     module = model.module
     bind(module, state.params, sharded=model.placement is not None)
     device = model.device
+    batch = local_batch(model, batch)
     if model.head == "value":
         return _value_loss_of(state, batch, loss)
     if loss is not None:
@@ -185,7 +204,7 @@ def loss_of(
     rows = supervised_rows(batch["labels"], IGNORE_INDEX, device)  # [supervised tokens]
     labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
     with autocast(model), loss_mode(module.get_output_embeddings(), labels, rows):
-        inputs = model_inputs(batch, device, module.config)
+        inputs = decoder_inputs(model, batch)
         loss_sum = module(**inputs, use_cache=False).logits
     return LossOutput(loss_sum, (labels != IGNORE_INDEX).sum())
 
@@ -201,7 +220,7 @@ def _token_loss_of(model: Model, batch: Mapping[str, torch.Tensor], loss: TokenL
     with_entropy = "entropy" in loss.needs
     head = model.module.get_output_embeddings()
     with autocast(model), terms_mode(head, labels, rows, with_entropy=with_entropy):
-        inputs = model_inputs(batch, device, model.module.config)
+        inputs = decoder_inputs(model, batch)
         terms = model.module(**inputs, use_cache=False).logits  # [B, T, 2]
     entropy = terms[..., 1] if with_entropy else None
     return apply_loss(loss, TokenInputs(terms[..., 0], labels, fields, entropy))
@@ -219,7 +238,7 @@ def token_values(state: TrainState, batch: Mapping[str, torch.Tensor]) -> torch.
     device = model.device
     labels = batch["labels"].to(device, non_blocking=True)  # [B, T], already shifted
     with autocast(model):
-        inputs = model_inputs(batch, device, model.config)
+        inputs = decoder_inputs(model, batch)
         scores = model.module(**inputs, use_cache=False).logits  # [B, T, 1]
     values = scores[..., 0].to(accumulation_dtype(scores.dtype))  # [B, T]
     # where, not a product: a non-finite value on an ignored token must not leak in
@@ -247,18 +266,24 @@ def fwd_bwd(
 
     `loss`: see `loss_of`. `accum` is consumed (its buffers become the result's); the caller
     handles donation. Returns the new `Grads` and ``{"loss_sum", "num_tokens"}`` of this
-    micro-batch alone.
+    micro-batch alone (under ulysses: of this rank's slice of it).
     """
     params = state.params
     micro_index = 0 if accum is None else accum.num_micro_batches
+    placement = state.model.placement
+    group = None if placement is None else placement.ulysses_group
     for name, p in params.items():
-        p.grad = None if accum is None else accum.params[name]
+        # under ulysses this micro-batch's gradients are summed over the group before they join
+        # `accum` (which holds sums already)
+        p.grad = None if accum is None or group is not None else accum.params[name]
     try:
         with _seeded(state.rng, micro_index, state.model.device):
             out = loss_of(state, batch, loss)
         ls = state.loss_scale  # float16: scale up so small gradients do not underflow
         (out.loss_sum if ls is None else out.loss_sum * float(ls.scale)).backward()
         grads = {n: _grad_like(p) for n, p in params.items()}
+        if group is not None:
+            grads = ulysses.sum_grads(grads, None if accum is None else accum.params, group)
     finally:
         for p in params.values():
             p.grad = None

@@ -15,7 +15,8 @@ the root:
   within an fsdp group).
 
 Gradients are reduced as *sums* (divide factor 1): the core normalises once by the global token
-count.
+count. ``ulysses`` ranks split each sequence and replicate the parameters; see
+`twinkle_fn.backends.transformers.ulysses` for why (and how their gradients are summed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from twinkle_fn.backends import compile_layers as layer_compiler
+from twinkle_fn.backends.transformers import ulysses
 from twinkle_fn.backends.transformers.plans import (
     COLWISE,
     SEQUENCE_PARALLEL_LAYER,
@@ -56,15 +58,18 @@ from twinkle_fn.models.model import Model
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Placement:
-    """Where a model lives: the torch device mesh and the data-parallel process group."""
+    """Where a model lives: the torch device mesh, the group of every rank holding other tokens
+    (whose token sums the step adds up) and the ulysses group."""
 
     mesh: Mesh
     device_mesh: DeviceMesh
-    dp_group: dist.ProcessGroup | None  # all ranks holding different data (dp x fsdp)
+    dp_group: dist.ProcessGroup | None  # all ranks holding other tokens (dp x fsdp x ulysses)
+    ulysses_group: dist.ProcessGroup | None = None
 
 
 def device_mesh(mesh: Mesh) -> DeviceMesh:
-    """The torch ``DeviceMesh`` of `mesh` with dims ``("dp", "fsdp", "tp")`` in our rank order.
+    """The torch ``DeviceMesh`` of `mesh` with dims ``("dp", "fsdp", "ulysses", "tp")`` in our
+    rank order.
 
     Raises ``ValueError`` for pp, cp or ep > 1 (those belong to the Megatron backend) and when
     the mesh does not match the world.
@@ -73,7 +78,9 @@ def device_mesh(mesh: Mesh) -> DeviceMesh:
     mesh.validate(world_size())
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(
-        device, (mesh.dp, mesh.fsdp, mesh.tp), mesh_dim_names=("dp", "fsdp", "tp")
+        device,
+        (mesh.dp, mesh.fsdp, mesh.ulysses, mesh.tp),
+        mesh_dim_names=("dp", "fsdp", "ulysses", "tp"),
     )
 
 
@@ -82,10 +89,17 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
 
     Its parameters become DTensors (new parameter objects: read them from the module again).
     Raises ``ValueError``
-    when tp does not divide the model's heads or features, or for meshes the backend lacks.
+    when tp does not divide the model's heads or features, ulysses its heads per tp rank, or
+    for meshes the backend lacks.
     """
     module = model.module
+    if mesh.ulysses > 1:
+        ulysses.check_ulysses(module.config, mesh.ulysses, mesh.tp, mesh.sequence_parallel)
     dm = device_mesh(mesh)
+    ulysses_group = None
+    if mesh.ulysses > 1:
+        ulysses_group = dm["ulysses"].get_group()
+        ulysses.use_ulysses_attention(module, ulysses_group)
     layers = module.get_decoder().layers
     if mesh.tp > 1:
         # The plan `plans.param_specs` reads, with its data split over `plans.data_axis`: what
@@ -118,7 +132,7 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 m.set_gradient_divide_factor(1.0)
                 # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy with SUM.
                 m.set_force_sum_reduction_for_comms(True)
-    placement = Placement(mesh, dm, _dp_group(mesh))
+    placement = Placement(mesh, dm, _dp_group(mesh), ulysses_group)
     return dataclasses.replace(model, placement=placement)
 
 
@@ -203,7 +217,8 @@ def _check_sequence_parallel(model: Model) -> None:
 
 
 def all_reduce_dp(t: torch.Tensor, placement: Placement | None) -> torch.Tensor:
-    """Sum `t` over the data-parallel ranks (a new tensor; `t` itself on one data rank)."""
+    """Sum `t` over the ranks holding other tokens: the data-parallel ranks and the ulysses
+    group (a new tensor; `t` itself when there are none)."""
     if placement is None or placement.dp_group is None:
         return t
     t = t.clone()
@@ -240,11 +255,11 @@ def reshard(model: Model) -> None:
 
 
 def _dp_group(mesh: Mesh) -> dist.ProcessGroup | None:
-    if mesh.data_world_size == 1:
+    if mesh.data_world_size * mesh.ulysses == 1:
         return None
     mine = None
     # new_group is collective over the world: every rank creates every group, in the same order.
-    for ranks in mesh.group_ranks("dp_total"):
+    for ranks in mesh.group_ranks(("dp_total", "ulysses")):
         group = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = group
