@@ -273,6 +273,8 @@ def train(config: cfg.RunConfig) -> Summary:
     if log is not None:
         log.write({"step": steps, "eval_loss": heldout_after})
         log.close()
+    if config.lora is not None:  # what peft.PeftModel.from_pretrained(base, dir) loads
+        tf.lora.save_adapter(state, out / "adapter")
     ckpt = _save(state, out / "checkpoint", tokenizer, config, steps)
     plot = out / "loss.png"
     if rank() == 0 and losses:
