@@ -180,3 +180,9 @@ def test_a_signal_saves_a_checkpoint_and_exits_0_a_second_exits_at_once(tmp_path
     assert ckpts.resume_path("latest", once) == ckpts.periodic_dir(once, last)
     assert procs[twice].returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM)
     assert not (twice / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_readme_shows_each_example_as_the_tests_run_it(backend):
+    readme = (ROOT / "README.md").read_text()
+    assert f"```yaml\n{example(backend).read_text()}```" in readme
