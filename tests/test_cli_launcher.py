@@ -149,6 +149,21 @@ def test_a_lora_run_trains_only_the_adapter_and_writes_it_for_peft(tmp_path):
     assert cfg.build(yaml.safe_load((tmp_path / "config.yaml").read_text())).lora.r == 4
 
 
+def test_the_megatron_block_starts_from_a_dist_checkpoint_with_offload_on(runs, tmp_path):
+    """``use_dist_checkpointing`` + ``dist_checkpointing_path``: the run starts from that
+    checkpoint's weights (its held-out loss before training is the straight run's last, the
+    same weights evaluated the same way), and the three offload switches train through."""
+    start = runs["megatron"][0] / "checkpoint"
+    args = ["train", "--config", str(example("megatron")), *TINY, "--steps", "1"]
+    args += ["--warmup-steps", "0", "--save-steps", "0", "--output-dir", str(tmp_path)]
+    for key in ("use_dist_checkpointing", "param_offload", "grad_offload", "optimizer_offload"):
+        args += ["--set", f"megatron.{key}=true"]
+    assert main([*args, "--set", f"megatron.dist_checkpointing_path={start}"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    last_eval = [r["eval_loss"] for r in records(runs["megatron"][0]) if "eval_loss" in r][-1]
+    assert summary["heldout_loss_before"] == pytest.approx(last_eval, rel=1e-6)
+
+
 def _launch(out: Path, steps: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "twinkle.cli", "train", *TINY, "--steps", steps]

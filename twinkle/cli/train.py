@@ -274,8 +274,11 @@ def train(config: cfg.RunConfig) -> Summary:
         log.write({"step": steps, "eval_loss": heldout_after})
         log.close()
     if config.lora is not None:  # what peft.PeftModel.from_pretrained(base, dir) loads
-        tf.lora.save_adapter(state, out / "adapter")
-    ckpt = _save(state, out / "checkpoint", tokenizer, config, steps)
+        ckpt = tf.lora.save_adapter(state, out / "adapter")
+    if config.lora is None or config.backend in LORA_STATE_BACKENDS:
+        ckpt = tf.checkpoint.save(
+            state, out / "checkpoint", tokenizer=tokenizer, extra={"step": steps}
+        )
     plot = out / "loss.png"
     if rank() == 0 and losses:
         plot_losses(losses, heldout_before, heldout_after, plot)
