@@ -79,6 +79,10 @@ def prune(output: Path, keep_last: int) -> None:
         shutil.rmtree(path)
 
 
+class Stopped(Exception):
+    """The run stopped on a signal after saving a checkpoint at step ``args[0]``."""
+
+
 class StopSignals:
     """SIGINT / SIGTERM ask the run to stop after the current step (and save); a second
     signal exits at once with ``128 + signum``. A context manager restoring the old handlers."""

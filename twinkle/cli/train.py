@@ -139,7 +139,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the training job described by `args`; returns the exit code."""
-    summary = train(run_config(args))
+    try:
+        summary = train(run_config(args))
+    except ckpts.Stopped:  # asked to stop, checkpoint saved: a clean exit
+        return 0
     if rank() == 0:
         print_summary(summary)
     return 0
@@ -218,17 +221,7 @@ def train(config: cfg.RunConfig) -> Summary:
             batch_feats = [train_feats[j] for j in order[i * batch_size : (i + 1) * batch_size]]
             step_tokens = sum(len(f["input_ids"]) for f in batch_feats)  # every data rank's
             tokens += step_tokens
-            grads = None
-            local = batch_feats[mesh.get_slice(len(batch_feats), rank())]  # this data rank's
-            for micro in split_features(local, config.data.micro_batches):
-                grads, _ = tf.fwd_bwd(state, pack(micro), accum=grads)
-            try:
-                state, info = tf.step(state, grads, on_nonfinite="raise")
-            except tf.NonFiniteError as e:
-                raise ValueError(
-                    f"training diverged, stopping without saving (any checkpoint in {out} is "
-                    f"left as it was): {e}"
-                ) from e
+            state, info = _train_step(state, batch_feats, mesh, config.data.micro_batches, out)
             losses.append(float(info["loss"]))
             done = i + 1
             tok_s = step_tokens / (time.perf_counter() - tic)
@@ -246,23 +239,20 @@ def train(config: cfg.RunConfig) -> Summary:
                     }
                 )
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:.0f}")
-            cadence = config.cadence
-            if cadence.eval_steps and done % cadence.eval_steps == 0 and done < steps:
+            if _due(config.cadence.eval_steps, done, steps):
                 loss = _heldout_loss(state, heldout_feats, batch_size)
                 if log is not None:
                     log.write({"step": done, "eval_loss": loss})
-            stopping = stop.agreed()
-            if (cadence.save_steps and done % cadence.save_steps == 0 and done < steps) or (
-                stopping and done < steps
-            ):
+            stopping = stop.agreed() and done < steps
+            if stopping or _due(config.cadence.save_steps, done, steps):
                 _save(state, ckpts.periodic_dir(out, done), tokenizer, config, done)
-                ckpts.prune(out, cadence.keep_last)
-            if stopping and done < steps:
+                ckpts.prune(out, config.cadence.keep_last)
+            if stopping:
                 if rank() == 0:
                     print(f"twinkle train: stopped by a signal after step {done}; saved")
                 if log is not None:
                     log.close()
-                raise SystemExit(0)
+                raise ckpts.Stopped(done)
             if any(offload.values()):
                 parked, state = tf.offload(state, **offload), None
     if parked is not None:
@@ -273,12 +263,7 @@ def train(config: cfg.RunConfig) -> Summary:
     if log is not None:
         log.write({"step": steps, "eval_loss": heldout_after})
         log.close()
-    if config.lora is not None:  # what peft.PeftModel.from_pretrained(base, dir) loads
-        ckpt = tf.lora.save_adapter(state, out / "adapter")
-    if config.lora is None or config.backend in LORA_STATE_BACKENDS:
-        ckpt = tf.checkpoint.save(
-            state, out / "checkpoint", tokenizer=tokenizer, extra={"step": steps}
-        )
+    ckpt = _save_final(state, out, tokenizer, config)
     plot = out / "loss.png"
     if rank() == 0 and losses:
         plot_losses(losses, heldout_before, heldout_after, plot)
@@ -301,6 +286,43 @@ def train(config: cfg.RunConfig) -> Summary:
     if rank() == 0:
         (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
+
+
+def _train_step(
+    state: tf.TrainState, feats: list[dict[str, Any]], mesh: tf.Mesh, micro: int, out: Path
+) -> tuple[tf.TrainState, dict[str, Any]]:
+    """One update from the global batch `feats`: this data rank's slice in `micro`
+    accumulated micro-batches, then `tf.step` (donates `state`). Raises ``ValueError`` naming
+    the step when the loss or gradient norm is not finite (nothing saved)."""
+    grads = None
+    local = feats[mesh.get_slice(len(feats), rank())]  # this data rank's
+    for part in split_features(local, micro):
+        grads, _ = tf.fwd_bwd(state, pack(part), accum=grads)
+    try:
+        return tf.step(state, grads, on_nonfinite="raise")
+    except tf.NonFiniteError as e:
+        raise ValueError(
+            f"training diverged, stopping without saving (any checkpoint in {out} is left as it "
+            f"was): {e}"
+        ) from e
+
+
+def _due(every: int, done: int, steps: int) -> bool:
+    """Whether a cadence of `every` steps (0: never) falls after step `done`; the last step
+    is left to the end of the run."""
+    return bool(every) and done % every == 0 and done < steps
+
+
+def _save_final(state: tf.TrainState, out: Path, tokenizer: Any, config: cfg.RunConfig) -> Path:
+    """``<out>/checkpoint``, and with LoRA ``<out>/adapter`` (what
+    ``peft.PeftModel.from_pretrained(base, dir)`` loads; alone where the backend cannot
+    checkpoint adapter training states). Returns the directory to report."""
+    steps = config.schedule.steps
+    if config.lora is not None:
+        adapter = tf.lora.save_adapter(state, out / "adapter")
+        if config.backend not in LORA_STATE_BACKENDS:
+            return adapter
+    return tf.checkpoint.save(state, out / "checkpoint", tokenizer=tokenizer, extra={"step": steps})
 
 
 def _save(
