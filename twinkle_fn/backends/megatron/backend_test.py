@@ -59,7 +59,8 @@ MESHES = {
     "tp2-sp": ("qwen2", {"tp": 2, "sequence_parallel": True}, {}, "packed"),
     "ep2": ("qwen3_moe", {"dp": 2, "ep": 2}, {}, "packed"),
     "tp2-ep2-sp": ("qwen3_moe", {"tp": 2, "ep": 2, "sequence_parallel": True}, {}, "packed"),
-    "tp2-etp2": ("qwen3_moe", {"tp": 2, "etp": 2}, {}, "packed"),  # each expert split over tp
+    # each expert split over the two ranks (megatron wants sequence parallelism with MoE + tp)
+    "tp2-etp2-sp": ("qwen3_moe", {"tp": 2, "etp": 2, "sequence_parallel": True}, {}, "packed"),
     "cp2": ("qwen2", {"cp": 2}, {}, "padded"),
     "cp2-packed": ("qwen3_moe", {"cp": 2}, {}, "packed"),  # q/k norms, MoE, THD chunks
 }
