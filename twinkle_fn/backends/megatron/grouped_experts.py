@@ -25,7 +25,10 @@ from torch import Tensor
 
 def _kernel_fits(*mats: Tensor) -> bool:
     """Whether torch's grouped GEMM takes these operands: its kernels need every row stride
-    to be a multiple of 16 bytes (on CPU too); CUDA needs bfloat16."""
+    to be a multiple of 16 bytes (on CPU too) and refuse empty operands (a rank that received
+    no tokens); CUDA needs bfloat16."""
+    if any(m.numel() == 0 for m in mats):
+        return False
     if mats[0].is_cuda and any(m.dtype != torch.bfloat16 for m in mats):
         return False
     return all((m.shape[-1] * m.element_size()) % 16 == 0 for m in mats)

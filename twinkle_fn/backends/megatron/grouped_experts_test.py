@@ -108,6 +108,16 @@ def test_backward_saves_the_weights_not_a_stacked_copy():
     assert all(t.shape != (3, 8, 4) for t in saved)
 
 
+def test_no_tokens_give_an_empty_output_and_zero_weight_gradients():
+    """A rank the dispatcher sent no tokens (expert parallelism) still back-propagates."""
+    weights = [torch.randn(8, 4, requires_grad=True) for _ in range(3)]
+    x = torch.zeros(0, 4, requires_grad=True)  # [tokens=0, in]
+    y = grouped_linear(x, torch.zeros(3, dtype=torch.int32), weights)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert x.grad.shape == (0, 4) and all((w.grad == 0).all() for w in weights)
+
+
 def test_unsupported_configs_run_the_loop(megatron_world):
     config = _config(16, 8)
     assert grouped_supported(config)
