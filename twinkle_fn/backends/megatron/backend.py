@@ -25,7 +25,9 @@ replicated on every data and context-parallel rank; it needs whole parameters on
 
 ``Model.options`` read by `prepare`: ``num_micro_batches`` (per `fwd_bwd` call; default the
 pipeline size), ``vocab_multiple`` (vocabulary padding unit per tp rank; default 128),
-``use_te`` (TransformerEngine's layer spec; default when importable), ``lora`` (a
+``use_te`` (TransformerEngine's layer spec; default when importable), ``grouped_experts``
+(MoE experts as grouped GEMMs, default True; False: megatron's ``SequentialMLP`` loop, same
+parameters, see `twinkle_fn.backends.megatron.grouped_experts`), ``lora`` (a
 ``peft.LoraConfig``: train LoRA adapters only, see `twinkle_fn.backends.megatron.lora`),
 ``overlap_grad_reduce`` (reduce gradients during backward; default True), ``grad_bucket_size``
 (gradient elements per reduction bucket; default megatron's ``max(4e7, 1e6 * dp)`` with overlap,

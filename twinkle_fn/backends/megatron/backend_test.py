@@ -59,6 +59,8 @@ MESHES = {
     "tp2-sp": ("qwen2", {"tp": 2, "sequence_parallel": True}, {}, "packed"),
     "ep2": ("qwen3_moe", {"dp": 2, "ep": 2}, {}, "packed"),
     "tp2-ep2-sp": ("qwen3_moe", {"tp": 2, "ep": 2, "sequence_parallel": True}, {}, "packed"),
+    # each expert split over the two ranks (megatron wants sequence parallelism with MoE + tp)
+    "tp2-etp2-sp": ("qwen3_moe", {"tp": 2, "etp": 2, "sequence_parallel": True}, {}, "packed"),
     "cp2": ("qwen2", {"cp": 2}, {}, "padded"),
     "cp2-packed": ("qwen3_moe", {"cp": 2}, {}, "packed"),  # q/k norms, MoE, THD chunks
 }
@@ -212,6 +214,12 @@ def _compiled():
     return run, [layer._compiled_call_impl is not None for layer in layers]
 
 
+def _experts_classes(state) -> set[str]:
+    """The class names of the MoE layers' experts of a trained megatron state."""
+    layers = state.model.placement.module.decoder.layers
+    return {type(layer.mlp.experts).__name__ for layer in layers if hasattr(layer.mlp, "experts")}
+
+
 def _adam_kernels(state):
     """Per torch Adam param group of a trained megatron state: (fused, foreach, step on the
     params' device)."""
@@ -237,6 +245,9 @@ def _one_process():
             refs[name, backend], state = _train(name, backend=backend)
             if (name, backend) == ("qwen2", "megatron"):
                 adam_kernels = _adam_kernels(state)
+            if (name, backend) == ("qwen3_moe", "megatron"):
+                default_experts = _experts_classes(state)
+    looped, looped_state = _train("qwen3_moe", options={"grouped_experts": False})
     checks = dict(
         padded_micro=_train("qwen2", options={"num_micro_batches": 2}, layout="padded")[0],
         accumulation=_accumulation(),
@@ -245,6 +256,7 @@ def _one_process():
         plain_transform=_train("qwen2", tx=_tx("transformers"))[0],
         compiled=_compiled(),
         adam_kernels=adam_kernels,
+        experts=(default_experts, looped, _experts_classes(looped_state)),
         losses={
             (loss, b): _train("qwen2", backend=b, loss=LOSSES[loss])[0]
             for loss, b in (*((loss, "megatron") for loss in LOSSES), ("pg", "transformers"))
@@ -444,6 +456,14 @@ def test_compiled_layers_change_nothing(one_process):
     run, compiled = one_process[1]["compiled"]
     assert compiled and all(compiled)
     _assert_same_run(run, one_process[0]["qwen2", "megatron"])
+
+
+def test_grouped_experts_train_as_megatrons_looped_experts(one_process):
+    """Grouped GEMMs by default; ``grouped_experts=False`` (megatron's ``SequentialMLP``) gives
+    the same three steps: float32, the same products summed in another order."""
+    default, looped, looped_classes = one_process[1]["experts"]
+    assert default == {"GroupedSequentialMLP"} and looped_classes == {"SequentialMLP"}
+    _assert_same_run(looped, one_process[0]["qwen3_moe", "megatron"])
 
 
 def test_megatrons_torch_adam_steps_with_the_fused_kernel(one_process):

@@ -66,23 +66,25 @@ def build_gpt_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     use_te: bool | None = None,
+    grouped_experts: bool = True,
     vocab_multiple: int = 128,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's ``GPTModel`` stage for `hf_config` (randomly initialised, CPU-initialised).
 
-    `pre_process` / `post_process` (embedding / output layer on this stage) default to whether
-    this is megatron's first / last pipeline stage. Rotary embeddings follow the HF config
-    (``rope_theta``; ``linear`` and ``llama3`` scaling use HF's own inverse frequencies); the
-    vocabulary is padded to a multiple of ``vocab_multiple * tp``; embeddings are tied iff
-    ``tie_word_embeddings``. `use_te` picks the layer spec (see `spec.layer_spec`); `overrides`
-    (``params_dtype``, ``bf16``, any ``TransformerConfig`` field) go to `transformer_config`.
-    The model is moved to the current CUDA device when there is one. Logits are
-    ``[batch, seq, padded_vocab]`` (vocab split over tp).
+        `pre_process` / `post_process` (embedding / output layer on this stage) default to whether
+        this is megatron's first / last pipeline stage. Rotary embeddings follow the HF config
+        (``rope_theta``; ``linear`` and ``llama3`` scaling use HF's own inverse frequencies); the
+        vocabulary is padded to a multiple of ``vocab_multiple * tp``; embeddings are tied iff
+        ``tie_word_embeddings``. `use_te` picks the layer spec and `grouped_experts` its MoE experts
+    (grouped GEMMs or megatron's loop, see `spec.layer_spec`); `overrides`
+        (``params_dtype``, ``bf16``, any ``TransformerConfig`` field) go to `transformer_config`.
+        The model is moved to the current CUDA device when there is one. Logits are
+        ``[batch, seq, padded_vocab]`` (vocab split over tp).
 
-    Raises ``RuntimeError`` if megatron-core's parallel state is not initialized, and
-    ``ValueError`` if `mesh` differs from it, for an unsupported rope type, or as
-    `transformer_config` does.
+        Raises ``RuntimeError`` if megatron-core's parallel state is not initialized, and
+        ``ValueError`` if `mesh` differs from it, for an unsupported rope type, or as
+        `transformer_config` does.
     """
     _check_mesh_matches_megatron(mesh)
     config = transformer_config(hf_config, mesh, **overrides)
@@ -95,7 +97,7 @@ def build_gpt_model(
     last = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, use_te),
+        transformer_layer_spec=decoder_spec(config, use_te, grouped_experts=grouped_experts),
         vocab_size=padded_vocab_size(hf_config.vocab_size, mesh.tp, vocab_multiple),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=first,

@@ -40,6 +40,7 @@ _OWN_OPTIONS = (
     "num_micro_batches",
     "vocab_multiple",
     "use_te",
+    "grouped_experts",
     "lora",
     "lora_name",
     "overlap_grad_reduce",
@@ -123,6 +124,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         model.config,
         mesh,
         use_te=opts.use_te,
+        grouped_experts=opts.grouped_experts,
         vocab_multiple=opts.vocab_multiple,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -176,6 +178,7 @@ class _Options(NamedTuple):
     num_micro_batches: int
     vocab_multiple: int
     use_te: bool | None
+    grouped_experts: bool
     overrides: dict[str, Any]  # TransformerConfig fields
     overlap_grad_reduce: bool
     overlap_param_gather: bool
@@ -198,7 +201,12 @@ def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
     multiple = vocab_multiple(options)
     overlap = options.get("overlap_grad_reduce", True)
     gather = options.get("overlap_param_gather", False)
-    for name, value in (("overlap_grad_reduce", overlap), ("overlap_param_gather", gather)):
+    grouped = options.get("grouped_experts", True)
+    for name, value in (
+        ("overlap_grad_reduce", overlap),
+        ("overlap_param_gather", gather),
+        ("grouped_experts", grouped),
+    ):
         if not isinstance(value, bool):
             raise ValueError(f"option {name} must be a bool, got {value!r}")
     bucket_size = options.get("grad_bucket_size")
@@ -206,7 +214,8 @@ def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
         isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
     ):
         raise ValueError(f"option grad_bucket_size must be a positive int, got {bucket_size!r}")
-    return _Options(num, multiple, options.get("use_te"), overrides, overlap, gather, bucket_size)
+    use_te = options.get("use_te")
+    return _Options(num, multiple, use_te, grouped, overrides, overlap, gather, bucket_size)
 
 
 def _ensure_process_group(mesh: Mesh) -> None:

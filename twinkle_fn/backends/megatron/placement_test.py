@@ -15,6 +15,7 @@ from twinkle_fn.testing import tiny_config
         ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline"),
         ({"num_micro_batches": 0}, "num_micro_batches must be a positive int"),
         ({"overlap_grad_reduce": 1}, "overlap_grad_reduce must be a bool"),
+        ({"grouped_experts": "yes"}, "grouped_experts must be a bool"),
         ({"grad_bucket_size": 0}, "grad_bucket_size must be a positive int"),
     ],
 )

@@ -10,7 +10,9 @@ This spec keeps megatron-core's parallel linears, MLP and MoE layers and swaps i
   ``config.persist_layer_norm`` (the default with CUDA);
 - `RowParallelLinear`: megatron-core's, handing its matmul its tensor-parallel group;
 - `SelfAttention`: megatron-core's, leaving a packed row's rotary embedding to the core
-  attention when the row carries each token's angles (`twinkle_fn.backends.megatron.packed_rotary`).
+  attention when the row carries each token's angles (`twinkle_fn.backends.megatron.packed_rotary`);
+- `GroupedSequentialMLP` as MoE experts (unless ``grouped_experts=False``): ``SequentialMLP``'s
+  parameters, run as two grouped GEMMs (`twinkle_fn.backends.megatron.grouped_experts`).
 
 With TransformerEngine importable, `layer_spec` uses TE's modules instead, laid out the same way
 (separate norms, no fused norm-linear) so that parameter names are identical across backends:
@@ -48,6 +50,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch import Tensor
 
 from twinkle_fn.backends.megatron.attention import SDPAAttention
+from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP
 from twinkle_fn.backends.megatron.packed_rotary import rotary_freqs
 
 
@@ -139,7 +142,12 @@ class SelfAttention(mcore_attention.SelfAttention):
 
 
 class _SDPASpecProvider(LocalSpecProvider):
-    """megatron-core's local modules, with `SDPAAttention`, `RMSNorm` and `RowParallelLinear`."""
+    """megatron-core's local modules, with `SDPAAttention`, `RMSNorm` and `RowParallelLinear`;
+    MoE experts are `GroupedSequentialMLP` when `grouped_experts`, else ``SequentialMLP``."""
+
+    def __init__(self, grouped_experts: bool = True) -> None:
+        super().__init__()
+        self.grouped_experts = grouped_experts
 
     def row_parallel_linear(self) -> type[RowParallelLinear]:
         return RowParallelLinear
@@ -152,8 +160,14 @@ class _SDPASpecProvider(LocalSpecProvider):
     def core_attention(self) -> type[SDPAAttention]:
         return SDPAAttention
 
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool) -> functools.partial:
+        sequential = super().grouped_mlp_modules(moe_use_grouped_gemm)
+        if not self.grouped_experts:
+            return sequential
+        return functools.partial(GroupedSequentialMLP, *sequential.args, **sequential.keywords)
 
-def _backend(use_te: bool | None) -> BackendSpecProvider:
+
+def _backend(use_te: bool | None, grouped_experts: bool = True) -> BackendSpecProvider:
     te = have_te()
     if use_te and not te:
         raise ValueError(
@@ -164,21 +178,27 @@ def _backend(use_te: bool | None) -> BackendSpecProvider:
         from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
         return TESpecProvider()
-    return _SDPASpecProvider()
+    return _SDPASpecProvider(grouped_experts)
 
 
 def layer_spec(
-    config: TransformerConfig, use_te: bool | None = None, *, moe: bool | None = None
+    config: TransformerConfig,
+    use_te: bool | None = None,
+    *,
+    moe: bool | None = None,
+    grouped_experts: bool = True,
 ) -> ModuleSpec:
     """``ModuleSpec`` of one ``TransformerLayer`` (norm -> attention -> norm -> MLP or MoE).
 
     `use_te`: TransformerEngine's modules (None: when importable) or megatron-core's with
     `SDPAAttention` and `RMSNorm`, never fused norm-linears, so parameter names are the local
     spec's on both (experts: with ``moe_grouped_gemm=False``). `moe`: an MoE layer (default:
-    iff the config has experts). q/k RMSNorms when ``config.qk_layernorm``. Raises
-    ``ValueError`` for ``use_te=True`` without TransformerEngine.
+    iff the config has experts). `grouped_experts`: the SDPA spec's experts run as grouped
+    GEMMs (`GroupedSequentialMLP`), else in megatron's loop (``SequentialMLP``); same
+    parameters either way. q/k RMSNorms when ``config.qk_layernorm``. Raises ``ValueError``
+    for ``use_te=True`` without TransformerEngine.
     """
-    backend = _backend(use_te)
+    backend = _backend(use_te, grouped_experts)
     is_moe = config.num_moe_experts is not None if moe is None else moe
     norm = backend.layer_norm(rms_norm=True, for_qk=False)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if config.qk_layernorm else IdentityOp
@@ -236,16 +256,24 @@ def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
 
 
 def decoder_spec(
-    config: TransformerConfig, use_te: bool | None = None, *, pp_rank: int | None = None
+    config: TransformerConfig,
+    use_te: bool | None = None,
+    *,
+    pp_rank: int | None = None,
+    grouped_experts: bool = True,
 ) -> TransformerBlockSubmodules:
     """Block spec of this pipeline stage's layers (dense or MoE each) and the final norm.
 
-    `pp_rank` defaults to megatron's current pipeline rank. Raises like `layer_spec`.
+    `pp_rank` defaults to megatron's current pipeline rank; `use_te` and `grouped_experts` as
+    `layer_spec` takes them. Raises like `layer_spec`.
     """
     pattern = moe_layer_pattern(config)
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config, use_te, moe=m) for m in pattern[offset : offset + count]],
+        layer_specs=[
+            layer_spec(config, use_te, moe=m, grouped_experts=grouped_experts)
+            for m in pattern[offset : offset + count]
+        ],
         layer_norm=_backend(use_te).layer_norm(rms_norm=True, for_qk=False),
     )

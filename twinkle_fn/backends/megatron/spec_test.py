@@ -4,12 +4,14 @@ import pytest
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from twinkle_fn.backends.megatron import spec
 from twinkle_fn.backends.megatron.attention import SDPAAttention
 from twinkle_fn.backends.megatron.attention_test import _config
+from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP
 from twinkle_fn.backends.megatron.spec import RMSNorm, decoder_spec, layer_spec
 
 
@@ -71,6 +73,11 @@ def test_layer_spec_uses_sdpa_rms_norm_and_the_moe_layer_where_asked():
     moe_cfg = _config(num_moe_experts=4, moe_ffn_hidden_size=8, moe_layer_freq=[0, 1])
     assert layer_spec(moe_cfg).submodules.mlp.func is MoELayer
     assert layer_spec(moe_cfg, moe=False).submodules.mlp.func is not MoELayer
+    experts = layer_spec(moe_cfg).submodules.mlp.keywords["submodules"].experts
+    assert experts.func is GroupedSequentialMLP
+    looped = layer_spec(moe_cfg, grouped_experts=False).submodules.mlp.keywords["submodules"]
+    assert looped.experts.func is SequentialMLP
+    assert looped.experts.keywords == experts.keywords  # the same linears: the same parameters
     with pytest.raises(ValueError, match="TransformerEngine is not importable"):
         layer_spec(_config(), use_te=True)
 
@@ -107,7 +114,7 @@ def test_fused_norm_linears_are_never_used(monkeypatch):
         def column_parallel_layer_norm_linear(self):
             return FusedNormLinear
 
-    monkeypatch.setattr(spec, "_backend", lambda use_te: Fusing())
+    monkeypatch.setattr(spec, "_backend", lambda use_te, grouped_experts: Fusing())
     layer = layer_spec(_config(), use_te=True).submodules
     assert layer.mlp.keywords["submodules"].linear_fc1 is ColumnParallelLinear
     assert layer.self_attention.submodules.linear_qkv is ColumnParallelLinear

@@ -1,0 +1,249 @@
+"""MoE training throughput on one device: issue 24's Qwen3-30B-A3B shape cut to a few layers.
+
+Every row trains the same randomly initialised Qwen3-MoE model (config built by hand, no
+download) on the same ``[batch, seq]`` random tokens, bf16 compute, AdamW (lr 1e-5, weight decay
+0.01) with global-norm clipping at 1.0, as `benchmarks.throughput` does:
+
+- ``hf_loop``: a plain transformers loop (its default experts implementation), bf16 autocast
+  over fp32 parameters; ``hf_compiled``: the same ``torch.compile``'d (GPU only);
+- ``twinkle_fsdp``: ``tf.fwd_bwd`` + ``tf.step`` on the transformers backend;
+- ``twinkle_megatron_sequential``: the megatron backend with megatron-core's ``SequentialMLP``
+  experts (a Python loop over experts; option ``grouped_experts=False``);
+- ``twinkle_megatron_grouped``: the megatron backend with its default experts, two grouped
+  GEMMs per layer (`twinkle_fn.backends.megatron.grouped_experts`).
+
+Each row warms up, then takes the median of timed steps. It prints tokens/s, MFU (formula
+printed: active parameters, i.e. the top-k experts a token visits), CUDA peak memory and the
+ratio to each baseline, and writes JSON after every row.
+
+    python -m benchmarks.moe --shape qwen3-30b-a3b --layers 2 --seq 2048 --batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from benchmarks import throughput as tp
+from twinkle_fn import backends
+
+_QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    max_position_embeddings=40960,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    output_router_logits=False,
+)
+SHAPES = MappingProxyType(
+    {
+        "tiny": dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        "qwen3-30b-a3b": dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+        ),
+    }
+)
+ROWS = (
+    "hf_loop",
+    "hf_compiled",
+    "twinkle_fsdp",
+    "twinkle_megatron_sequential",
+    "twinkle_megatron_grouped",
+)
+BASELINES = ("hf_loop", "hf_compiled")
+MFU_FORMULA = (
+    "MFU = tokens/s x (6 x active matmul params per token (attention, router, top-k experts, "
+    "lm_head) + 6 x layers x heads x head_dim x seq) / peak"
+)
+
+
+def moe_config(shape: str, layers: int) -> PretrainedConfig:
+    """The HF ``Qwen3MoeConfig`` of `shape` (a key of `SHAPES`) with `layers` decoder layers.
+
+    Raises ``ValueError`` for an unknown shape or fewer than one layer.
+    """
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
+    if layers < 1:
+        raise ValueError(f"layers must be positive, got {layers}")
+    return AutoConfig.for_model(**{**_QWEN3_MOE, **SHAPES[shape], "num_hidden_layers": layers})
+
+
+def active_matmul_params(config: PretrainedConfig) -> int:
+    """Weights one token multiplies by: attention linears, the router, its top-k experts'
+    three linears in every layer, and the lm_head (norms and embeddings do no matmul)."""
+    hidden, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    q, k = heads * config.head_dim, kv * config.head_dim
+    attention = 2 * hidden * q + 2 * hidden * k
+    router = hidden * config.num_experts
+    experts = config.num_experts_per_tok * 3 * hidden * config.moe_intermediate_size
+    return config.num_hidden_layers * (attention + router + experts) + config.vocab_size * hidden
+
+
+def flops_per_token(config: PretrainedConfig, seq: int) -> int:
+    """Training FLOPs per token of `MFU_FORMULA`."""
+    attention = config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq
+    return 6 * active_matmul_params(config) + 6 * attention
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the selected rows and return (and print, and write) the results."""
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = moe_config(args.shape, args.layers)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
+    setup = tp.Setup(config, ids.to(device), device, "model")
+    fpt, peak = flops_per_token(config, args.seq), tp.default_peak(device)
+    result: dict[str, Any] = {
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": tp.versions(),
+        "shape": args.shape,
+        "layers": args.layers,
+        "seq": args.seq,
+        "batch": args.batch,
+        "tokens_per_step": args.batch * args.seq,
+        "active_matmul_params": active_matmul_params(config),
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "mfu_formula": MFU_FORMULA,
+        "rows": {},
+    }
+    print(
+        f"{args.shape}, {args.layers} layers, seq {args.seq}, batch {args.batch} on "
+        f"{result['device_name']}; {MFU_FORMULA}; {fpt / 1e9:.3f} GFLOP/token, peak "
+        f"{'n/a' if peak is None else f'{peak:.4g} FLOP/s'}"
+    )
+    for name in args.rows:
+        row = _run_row(name, setup, args.warmup, args.steps)
+        if row["status"] == "ok":
+            row["mfu"] = tp.mfu(row["tokens_per_s"], fpt, peak)
+        result["rows"][name] = row
+        tp.add_ratios(result["rows"], BASELINES)
+        print(f"{name}: {_line(row)}", flush=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _run_row(name: str, setup: tp.Setup, warmup: int, steps: int) -> dict[str, Any]:
+    """One row's measurement, or why it was skipped or failed."""
+    if "_compiled" in name and setup.device.type != "cuda":
+        return {"status": "skipped", "reason": "GPU only (compiling on a CPU takes minutes)"}
+    if "megatron" in name and "megatron" not in backends.names():
+        return {"status": "skipped", "reason": "no megatron backend in twinkle_fn.backends"}
+    tp.release(setup.device)
+    try:
+        with _ROW_BUILDERS[name](setup) as step:
+            timing = tp.time_steps(step, warmup, steps, setup.device)
+            peak_gib = tp._peak_gib(setup.device)
+    except Exception as e:  # a failing row is a result (out of memory), not a crash
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        tp.release(setup.device)
+    return {
+        "status": "ok",
+        "step_ms": 1e3 * timing.seconds,
+        "tokens_per_s": setup.input_ids.numel() / timing.seconds,
+        "peak_mem_gib": peak_gib,
+        "first_loss": timing.first_loss,
+        "last_loss": timing.last_loss,
+    }
+
+
+def _hf(compiled: bool) -> Callable[[tp.Setup], contextlib.AbstractContextManager[tp.Step]]:
+    @contextlib.contextmanager
+    def build(setup: tp.Setup) -> Iterator[tp.Step]:
+        yield tp._hf_step(setup, compile_scope="model" if compiled else None)
+
+    return build
+
+
+def _twinkle(
+    backend: str, options: dict[str, Any] | None = None
+) -> Callable[[tp.Setup], contextlib.AbstractContextManager[tp.Step]]:
+    @contextlib.contextmanager
+    def build(setup: tp.Setup) -> Iterator[tp.Step]:
+        world = (
+            tp.megatron_world(setup.device) if backend == "megatron" else contextlib.nullcontext()
+        )
+        with world:
+            yield tp._twinkle_step(setup, backend, options)
+
+    return build
+
+
+_ROW_BUILDERS = MappingProxyType(
+    {
+        "hf_loop": _hf(compiled=False),
+        "hf_compiled": _hf(compiled=True),
+        "twinkle_fsdp": _twinkle("transformers"),
+        "twinkle_megatron_sequential": _twinkle("megatron", {"grouped_experts": False}),
+        "twinkle_megatron_grouped": _twinkle("megatron"),
+    }
+)
+
+
+def _line(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"{row['status']}: {row.get('error') or row.get('reason')}"
+    ratios = (
+        f"x {base} {'n/a' if row[f'x_{base}'] is None else format(row[f'x_{base}'], '.2f')}"
+        for base in BASELINES
+    )
+    return ", ".join(
+        [
+            f"{row['tokens_per_s']:.0f} tokens/s",
+            f"{row['step_ms']:.1f} ms/step",
+            "MFU n/a" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%",
+            "peak n/a" if row["peak_mem_gib"] is None else f"peak {row['peak_mem_gib']:.1f} GiB",
+            *ratios,
+            f"loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}",
+        ]
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=tp._positive_int, default=2)
+    p.add_argument("--seq", type=tp._positive_int, default=2048)
+    p.add_argument("--batch", type=tp._positive_int, default=4)
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    p.add_argument("--steps", type=tp._positive_int, default=10)
+    p.add_argument("--warmup", type=tp._positive_int, default=3)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--json", default="moe.json")
+    return p
+
+
+if __name__ == "__main__":
+    main()
