@@ -16,10 +16,13 @@ import dataclasses
 import io
 import json
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from torch.utils.data import IterableDataset as TorchIterableDataset
 
 import twinkle.preprocessor
 from twinkle.hub import HubOperation
@@ -254,8 +257,9 @@ class LazyDataset(Dataset):
 
 
 @remote_class(execute="first")
-class IterableDataset(Dataset):
-    """A `Dataset` read by iterating (upstream's streaming variant): no `len`, no indexing.
+class IterableDataset(Dataset, TorchIterableDataset):
+    """A `Dataset` read by iterating (upstream's streaming variant): no `len`, no indexing; a
+    ``torch.utils.data.IterableDataset``, as upstream's, so a `DataLoader` streams it.
 
     Rows are loaded into memory here; ``streaming`` is accepted. ``__len__`` and
     ``__getitem__`` raise ``NotImplementedError`` as upstream's.
@@ -471,10 +475,9 @@ def _read_file(path: Path) -> tuple[list[Row], list[str]]:
     """
     text = read_text(path)
     if path.suffix == ".csv":
-        # strings as written: upstream loads csv with na_filter=False
         reader = csv.DictReader(io.StringIO(text, newline=""))
         found = [(dict(row), f"{path}:{reader.line_num}") for row in reader]
-        rows, origins = [row for row, _ in found], [origin for _, origin in found]
+        rows, origins = _typed_csv([row for row, _ in found]), [origin for _, origin in found]
     elif path.suffix == ".txt":
         lines = io.StringIO(text, newline=None)
         rows = [{"text": line.rstrip("\n")} for line in lines]
@@ -487,6 +490,27 @@ def _read_file(path: Path) -> tuple[list[Row], list[str]]:
             "file out"
         )
     return rows, origins
+
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
+
+
+def _typed_csv(rows: list[Row]) -> list[Row]:
+    """`rows` of csv strings with each column typed as upstream's loader (pandas, with
+    ``na_filter=False``) types it: int when every value is an integer, float when every value
+    is a number, else the strings as written (an empty cell keeps its column strings)."""
+    for column in rows[0] if rows else ():
+        values = [row[column] for row in rows]
+        if all(isinstance(v, str) and _INT.fullmatch(v.strip()) for v in values):
+            cast: Callable[[str], Any] = int
+        elif all(isinstance(v, str) and _FLOAT.fullmatch(v.strip()) for v in values):
+            cast = float
+        else:
+            continue
+        for row in rows:
+            row[column] = cast(row[column])
+    return rows
 
 
 def _json_rows(text: str, path: Path) -> tuple[list[Row], list[str]]:
