@@ -107,9 +107,10 @@ NOT_PROVIDED_CASES = {
     "dataset/test_lazy.py::TestLazyDataset::test_lazy_dataset_encode_requires_template": "expects"
     " an AssertionError from encode without a template; this build raises ValueError naming "
     "set_template (errors are not asserts)",
-    "processor/test_processor.py": "InputProcessor.collate_fn, left padding and upstream's "
-    "micro-batch, multimodal and GRPO collation are not provided: the processor here collates "
-    "by __call__ (right padding, or padding-free) for the model's forward",
+    "processor/test_processor.py::TestNormalMode::test_padding_side_left": "padding_side='left' "
+    "is refused: the core's collation pads on the right",
+    "processor/test_processor.py::TestMultimodalMode": "multimodal processors (pixel_values, "
+    "image_grid_thw) are not in this text-only build",
 }
 # group -> the fewest upstream cases that must pass (what this build passed when it was written)
 MIN_PASSED = {
@@ -117,7 +118,7 @@ MIN_PASSED = {
     "DeviceMesh": 16,
     "dataloader": 15,
     "dataset": 15,
-    "processor": 0,
+    "processor": 7,
     "preprocessor": 15,
     "template": 0,  # every case downloads a tokenizer: all skip offline
 }
