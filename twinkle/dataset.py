@@ -87,6 +87,8 @@ class Dataset:
         # Where each row came from (``file:line``, ``data[i]``), for the errors that name a row;
         # dropped when a map changes the row count.
         self._origins: list[str] = []
+        # Each source's rows as loaded (upstream's ``datasets``), for `mix_dataset`.
+        self.datasets: dict[str, list[Row]] = {}
         self.template: Template | None = None
         if dataset_meta:
             self._add(dataset_meta, load_kwargs)
@@ -98,9 +100,39 @@ class Dataset:
 
     def _add(self, dataset_meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> None:
         rows, origins = _load(dataset_meta, load_kwargs)
+        self.datasets[dataset_meta.get_id()] = list(rows)
         aligned = self._aligned()
         self.rows.extend(rows)
         self._origins = [*self._origins, *origins] if aligned else []
+
+    @property
+    def dataset(self) -> list[Row]:
+        """The rows served (upstream's combined ``datasets.Dataset``)."""
+        return self.rows
+
+    @remote_function(execute="first")
+    def mix_dataset(self, interleave: bool = True) -> None:
+        """Mix the sources added so far: ``interleave`` takes one row of each in turn and stops
+        when the first source runs out (upstream's ``interleave_datasets``); otherwise they are
+        concatenated, as `add_dataset` already serves them. A no-op with one source.
+
+        Raises ``ValueError`` once `map`, `filter` or `encode` has changed the rows (mix the
+        sources first, as upstream's pipeline does).
+        """
+        sources = list(self.datasets.values())
+        if len(sources) <= 1 or not interleave:
+            return
+        if self.rows != [row for rows in sources for row in rows]:
+            raise ValueError(
+                "mix_dataset(interleave=True) must come before map/filter/encode: the rows no "
+                "longer match the sources added; call mix_dataset right after add_dataset"
+            )
+        offsets = [sum(len(r) for r in sources[:i]) for i in range(len(sources))]
+        shortest = min(len(rows) for rows in sources)
+        order = [offsets[s] + i for i in range(shortest) for s in range(len(sources))]
+        if self._aligned():
+            self._origins = [self._origins[i] for i in order]
+        self.rows = [self.rows[i] for i in order]
 
     @remote_function(execute="first")
     def set_template(self, template_cls: Template | type | str = "Template", **kwargs: Any) -> None:
@@ -277,6 +309,11 @@ class IterableDataset(Dataset, TorchIterableDataset):
 
     def __iter__(self) -> Iterator[Row]:
         return iter(list(self.rows))
+
+    @property
+    def dataset(self) -> Iterator[Row]:
+        """The rows served, as a stream (no length, as upstream's streaming dataset)."""
+        return iter(self)
 
 
 @remote_class(execute="first")
