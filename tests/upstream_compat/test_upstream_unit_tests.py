@@ -51,7 +51,8 @@ NOT_IMPORTABLE_FILES = {
     "build's template is one module with no per-model templates",
     "template/test_tool_parsers.py": "imports twinkle.template.tools: this build has no "
     "tool-call parsers",
-    "dataset/test_packing.py": "imports IterablePackingDataset, which this build does not have",
+    "dataset/test_packing.py": "imports IterablePackingDataset, which this build does not have "
+    "(and each of its cases downloads a tokenizer, so would skip offline)",
 }
 # upstream's case (or class of cases) -> why it is deselected
 NOT_PROVIDED_CASES = {
