@@ -73,7 +73,7 @@ def _on_two_ranks(model_dir):
     return {
         "seed_example": seed_example(model_dir, dp_size=1, fsdp_size=2, **SEED_EXAMPLE),
         "class_api": _class_api(mesh),
-        "functional": _functional(mesh.mesh),
+        "functional": _functional(mesh.core_mesh),
         "data_rank": mesh.data_rank,
     }
 

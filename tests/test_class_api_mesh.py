@@ -24,28 +24,30 @@ def _at_rank(monkeypatch, rank):
 
 def test_from_sizes_maps_onto_the_core_mesh():
     mesh = DeviceMesh.from_sizes(**SIZES, cp_size=1, ep_size=2, sequence_parallel=True)
-    assert mesh.mesh == Mesh(dp=2, fsdp=2, tp=2, pp=2, ep=2, sequence_parallel=True)
+    assert mesh.core_mesh == Mesh(dp=2, fsdp=2, tp=2, pp=2, ep=2, sequence_parallel=True)
     assert mesh.world_size == 16 and mesh.data_world_size == 4
     assert (mesh.dp_world_size, mesh.fsdp_world_size, mesh.tp_world_size) == (2, 2, 2)
     assert (mesh.pp_world_size, mesh.cp_world_size, mesh.ep_world_size) == (2, 1, 2)
     assert mesh.etp_world_size == 1 and mesh.sequence_parallel
-    assert mesh.mesh_dim_names == ("fsdp", "pp", "dp", "tp")  # upstream's order, set dims
+    assert mesh.mesh_dim_names == ("fsdp", "pp", "dp", "cp", "tp")  # upstream's order, set dims
     assert mesh.order == "tp-cp-ep-dp-pp"
     assert DeviceMesh.from_sizes().world_size == 1
-    assert DeviceMesh.from_sizes(world_size=8, dp_size=None, tp_size=2).mesh == Mesh(dp=4, tp=2)
+    assert DeviceMesh.from_sizes(world_size=8, dp_size=None, tp_size=2).core_mesh == Mesh(
+        dp=4, tp=2
+    )
     assert DeviceMesh.from_sizes(world_size=4, dp_size=2, fsdp_size=2).world_size == 4
 
 
 def test_rank_queries_of_every_rank(monkeypatch):
     mesh = DeviceMesh.from_sizes(**SIZES)
-    core = mesh.mesh
+    core = mesh.core_mesh
     seen_data_ranks = []
     for rank in range(mesh.world_size):
         _at_rank(monkeypatch, rank)
         coords = core.coords(rank)
         assert mesh.dp_rank == coords["dp"] and mesh.fsdp_rank == coords["fsdp"]
         assert mesh.tp_rank == coords["tp"] and mesh.pp_rank == coords["pp"]
-        assert mesh.cp_rank == 0 and mesh.ep_rank == 0
+        assert mesh.cp_rank is None and mesh.ep_rank == 0  # cp_size unset: no cp axis
         # upstream: data_rank = dp_rank * fsdp_world_size + fsdp_rank
         assert mesh.data_rank == mesh.dp_rank * mesh.fsdp_world_size + mesh.fsdp_rank
         assert mesh.get_data_rank_from_global_rank(rank) == mesh.data_rank
@@ -117,12 +119,15 @@ def test_unit_vpp_and_ulysses_are_accepted():
 
 def test_ulysses_size_is_the_core_ulysses_axis():
     mesh = DeviceMesh.from_sizes(ulysses_size=2)
-    assert mesh.mesh == Mesh(ulysses=2) and mesh.ulysses_size == 2
+    assert mesh.core_mesh == Mesh(ulysses=2) and mesh.ulysses_size == 2
+    assert mesh.mesh_dim_names == ("dp", "ulysses") and mesh.mesh.tolist() == [[0, 1]]
     assert mesh.world_size == 2 and mesh.data_world_size == 1  # its ranks share the data
-    assert DeviceMesh(ulysses_size=2).mesh == Mesh(ulysses=2)
-    assert DeviceMesh.from_sizes(world_size=8, dp_size=None, ulysses_size=2, tp_size=2).mesh == (
-        Mesh(dp=2, tp=2, ulysses=2)
-    )
+    assert DeviceMesh(ulysses_size=2).core_mesh == Mesh(ulysses=2)
+    mixed = DeviceMesh.from_sizes(world_size=8, dp_size=None, ulysses_size=2, tp_size=2)
+    assert mixed.core_mesh == Mesh(dp=2, tp=2, ulysses=2)
+    # the rank array follows the core's order: tp fastest, then ulysses, then dp
+    assert mixed.mesh_dim_names == ("dp", "ulysses", "tp")
+    assert mixed.mesh.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     with pytest.raises(ValueError, match="ulysses_size=4 disagrees with the mesh's 2"):
         DeviceMesh(Mesh(ulysses=2), ulysses_size=4)
     with pytest.raises(ValueError, match="ulysses_size=2 with a rank array"):

@@ -16,10 +16,13 @@ import dataclasses
 import io
 import json
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from torch.utils.data import IterableDataset as TorchIterableDataset
 
 import twinkle.preprocessor
 from twinkle.hub import HubOperation
@@ -84,6 +87,8 @@ class Dataset:
         # Where each row came from (``file:line``, ``data[i]``), for the errors that name a row;
         # dropped when a map changes the row count.
         self._origins: list[str] = []
+        # Each source's rows as loaded (upstream's ``datasets``), for `mix_dataset`.
+        self.datasets: dict[str, list[Row]] = {}
         self.template: Template | None = None
         if dataset_meta:
             self._add(dataset_meta, load_kwargs)
@@ -95,9 +100,39 @@ class Dataset:
 
     def _add(self, dataset_meta: DatasetMeta, load_kwargs: Mapping[str, Any]) -> None:
         rows, origins = _load(dataset_meta, load_kwargs)
+        self.datasets[dataset_meta.get_id()] = list(rows)
         aligned = self._aligned()
         self.rows.extend(rows)
         self._origins = [*self._origins, *origins] if aligned else []
+
+    @property
+    def dataset(self) -> list[Row]:
+        """The rows served (upstream's combined ``datasets.Dataset``)."""
+        return self.rows
+
+    @remote_function(execute="first")
+    def mix_dataset(self, interleave: bool = True) -> None:
+        """Mix the sources added so far: ``interleave`` takes one row of each in turn and stops
+        when the first source runs out (upstream's ``interleave_datasets``); otherwise they are
+        concatenated, as `add_dataset` already serves them. A no-op with one source.
+
+        Raises ``ValueError`` once `map`, `filter` or `encode` has changed the rows (mix the
+        sources first, as upstream's pipeline does).
+        """
+        sources = list(self.datasets.values())
+        if len(sources) <= 1 or not interleave:
+            return
+        if self.rows != [row for rows in sources for row in rows]:
+            raise ValueError(
+                "mix_dataset(interleave=True) must come before map/filter/encode: the rows no "
+                "longer match the sources added; call mix_dataset right after add_dataset"
+            )
+        offsets = [sum(len(r) for r in sources[:i]) for i in range(len(sources))]
+        shortest = min(len(rows) for rows in sources)
+        order = [offsets[s] + i for i in range(shortest) for s in range(len(sources))]
+        if self._aligned():
+            self._origins = [self._origins[i] for i in order]
+        self.rows = [self.rows[i] for i in order]
 
     @remote_function(execute="first")
     def set_template(self, template_cls: Template | type | str = "Template", **kwargs: Any) -> None:
@@ -254,8 +289,9 @@ class LazyDataset(Dataset):
 
 
 @remote_class(execute="first")
-class IterableDataset(Dataset):
-    """A `Dataset` read by iterating (upstream's streaming variant): no `len`, no indexing.
+class IterableDataset(Dataset, TorchIterableDataset):
+    """A `Dataset` read by iterating (upstream's streaming variant): no `len`, no indexing; a
+    ``torch.utils.data.IterableDataset``, as upstream's, so a `DataLoader` streams it.
 
     Rows are loaded into memory here; ``streaming`` is accepted. ``__len__`` and
     ``__getitem__`` raise ``NotImplementedError`` as upstream's.
@@ -273,6 +309,11 @@ class IterableDataset(Dataset):
 
     def __iter__(self) -> Iterator[Row]:
         return iter(list(self.rows))
+
+    @property
+    def dataset(self) -> Iterator[Row]:
+        """The rows served, as a stream (no length, as upstream's streaming dataset)."""
+        return iter(self)
 
 
 @remote_class(execute="first")
@@ -471,10 +512,9 @@ def _read_file(path: Path) -> tuple[list[Row], list[str]]:
     """
     text = read_text(path)
     if path.suffix == ".csv":
-        # strings as written: upstream loads csv with na_filter=False
         reader = csv.DictReader(io.StringIO(text, newline=""))
         found = [(dict(row), f"{path}:{reader.line_num}") for row in reader]
-        rows, origins = [row for row, _ in found], [origin for _, origin in found]
+        rows, origins = _typed_csv([row for row, _ in found]), [origin for _, origin in found]
     elif path.suffix == ".txt":
         lines = io.StringIO(text, newline=None)
         rows = [{"text": line.rstrip("\n")} for line in lines]
@@ -487,6 +527,27 @@ def _read_file(path: Path) -> tuple[list[Row], list[str]]:
             "file out"
         )
     return rows, origins
+
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
+
+
+def _typed_csv(rows: list[Row]) -> list[Row]:
+    """`rows` of csv strings with each column typed as upstream's loader (pandas, with
+    ``na_filter=False``) types it: int when every value is an integer, float when every value
+    is a number, else the strings as written (an empty cell keeps its column strings)."""
+    for column in rows[0] if rows else ():
+        values = [row[column] for row in rows]
+        if all(isinstance(v, str) and _INT.fullmatch(v.strip()) for v in values):
+            cast: Callable[[str], Any] = int
+        elif all(isinstance(v, str) and _FLOAT.fullmatch(v.strip()) for v in values):
+            cast = float
+        else:
+            continue
+        for row in rows:
+            row[column] = cast(row[column])
+    return rows
 
 
 def _json_rows(text: str, path: Path) -> tuple[list[Row], list[str]]:

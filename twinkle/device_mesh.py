@@ -6,15 +6,20 @@ fastest) rather than upstream's numpy layout (``fsdp, pp, dp, cp, tp``); what a 
 the same in both: ``data_rank = dp_rank * fsdp_size + fsdp_rank`` over ``data_world_size = dp *
 fsdp`` data shards.
 
-Differences from upstream, all deliberate: an axis that was not set reports size 1 and rank 0
-(upstream: size 0 and rank None); ``get_slice`` refuses a batch smaller than the number of data
-ranks (upstream hands some ranks nothing); ``vpp_size > 1`` is refused (upstream marks VPP as
-broken); ``ulysses_size`` is the core's ``ulysses`` axis, which adds ranks to the world
-(upstream carves it out of ``dp * fsdp``: ``from_sizes(fsdp_size=2, ulysses_size=2)`` is 4
-ranks here, 2 upstream) and is refused with a rank array; a rank array
+As upstream, ``mesh`` is the numpy array of global ranks (axes named by ``mesh_dim_names``), a
+rank query for an axis the names leave out, or from a rank outside the array, answers None, and
+ranks come from `Platform.get_rank` (the launcher's ``RANK``; torch.distributed's rank, else 0,
+outside a launcher). The core mesh is ``core_mesh``.
+
+Differences from upstream, all deliberate: an axis that was not set reports size 1 (upstream:
+0); ``get_slice`` refuses a batch smaller than the number of data ranks (upstream hands some
+ranks nothing); ``vpp_size > 1`` is refused (upstream marks VPP as broken); ``ulysses_size`` is
+the core's ``ulysses`` axis, which adds ranks to the world (upstream carves it out of ``dp *
+fsdp``: ``from_sizes(fsdp_size=2, ulysses_size=2)`` is 4 ranks here, 2 upstream) and is named
+in ``mesh_dim_names`` when larger than 1; a rank array
 (``DeviceMesh(mesh=np.ndarray, mesh_dim_names=...)``) must follow the core's order, so
 upstream's ``from_sizes`` layout with fsdp outermost is refused when fsdp > 1 meets dp or pp > 1
-(`from_sizes` here builds the core's layout instead); ``mesh`` is the core mesh, not the array.
+(`from_sizes` here builds the core's layout instead, naming the axes in the core's order).
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from twinkle.platform import Platform
 from twinkle_fn.mesh import Mesh
 
 _AXES = ("dp", "fsdp", "tp", "pp", "cp")
 # Upstream's from_sizes order of the axes (what mesh_dim_names lists).
-_UPSTREAM_ORDER = ("fsdp", "pp", "dp", "cp", "tp")
+_UPSTREAM_ORDER = ("fsdp", "pp", "dp", "cp", "ulysses", "tp")
 # The core's rank order, slowest axis first: how a rank array must be laid out.
-_CORE_ORDER = ("pp", "dp", "fsdp", "cp", "tp")
+_CORE_ORDER = ("pp", "dp", "fsdp", "ulysses", "cp", "tp")
 
 
 def current_rank() -> int:
@@ -40,6 +46,13 @@ def current_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
+
+
+def _platform_rank() -> int:
+    """The rank `Platform.get_rank` reports (upstream's source of ranks), or, outside a
+    launcher (-1), `current_rank`."""
+    rank = Platform.get_rank()
+    return rank if rank >= 0 else current_rank()
 
 
 def _optional_size(name: str, value: int | None) -> int:
@@ -90,7 +103,7 @@ def _mesh_from_array(
         )
     sizes = dict(zip(names, ranks.shape, strict=True))
     core = Mesh(
-        **{axis: sizes.get(axis, 1) for axis in _AXES},
+        **{axis: sizes.get(axis, 1) for axis in (*_AXES, "ulysses")},
         ep=_optional_size("ep_size", ep_size),
         etp=_optional_size("etp_size", etp_size),
         sequence_parallel=bool(sequence_parallel),
@@ -104,7 +117,7 @@ def _mesh_from_array(
             raise ValueError(
                 f"mesh_dim_names={names!r} with this array puts rank {rank} at "
                 f"{dict(zip(names, map(int, index), strict=True))}, but the core lays ranks out "
-                f"in Megatron order (tp fastest, then cp, fsdp, dp, pp) and puts it at "
+                f"in Megatron order (tp fastest, then cp, ulysses, fsdp, dp, pp) and puts it at "
                 f"{ {a: coords[a] for a in names} }; use mesh=np.arange({world}).reshape({shape}) "
                 f"with mesh_dim_names={tuple(canonical)!r}, or DeviceMesh.from_sizes(...)"
             )
@@ -119,8 +132,9 @@ def _with_ulysses(mesh: Mesh, ulysses_size: int | None, from_core: bool) -> Mesh
         return mesh
     if not from_core:
         raise ValueError(
-            f"ulysses_size={ulysses_size} with a rank array: the array has no ulysses axis; "
-            "use DeviceMesh.from_sizes(..., ulysses_size=...)"
+            f"ulysses_size={ulysses_size} with a rank array whose ulysses axis is {mesh.ulysses}; "
+            "name a 'ulysses' axis in mesh_dim_names, or use DeviceMesh.from_sizes(..., "
+            "ulysses_size=...)"
         )
     if mesh.ulysses != 1:
         raise ValueError(
@@ -130,7 +144,30 @@ def _with_ulysses(mesh: Mesh, ulysses_size: int | None, from_core: bool) -> Mesh
     return dataclasses.replace(mesh, ulysses=size)
 
 
-@dataclasses.dataclass(frozen=True)
+def _rank_array(core: Mesh, names: tuple[str, ...]) -> np.ndarray:
+    """The global ranks of `core` as an array over the axes `names` (every axis of size > 1
+    among them): ``array[i, j, ...]`` is the rank at those coordinates."""
+    full = np.arange(core.world_size).reshape([getattr(core, a) for a in _CORE_ORDER])
+    named = [_CORE_ORDER.index(n) for n in names]
+    rest = [i for i in range(len(_CORE_ORDER)) if i not in named]  # each of size 1
+    return full.transpose(named + rest).reshape([getattr(core, n) for n in names])
+
+
+def _with_names(core: Mesh, given: dict[str, int | None], extra: dict[str, Any]) -> DeviceMesh:
+    """The `DeviceMesh` of `core` naming, in upstream's order, every axis of size > 1 and every
+    axis `given` a size."""
+    names = tuple(a for a in _UPSTREAM_ORDER if given.get(a) is not None or getattr(core, a) > 1)
+    return DeviceMesh(
+        _rank_array(core, names),
+        names,
+        ep_size=core.ep,
+        etp_size=core.etp,
+        sequence_parallel=core.sequence_parallel,
+        **extra,
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class DeviceMesh:
     """The parallel layout of a job: a `twinkle_fn.Mesh` plus upstream's extra attributes.
 
@@ -139,8 +176,9 @@ class DeviceMesh:
     must lay ranks out as the core does (Megatron order, tp fastest: the names read in the
     order ``pp, dp, fsdp, cp, tp``, any of them left out), as `from_sizes`'s meshes and
     upstream's tests do; other layouts are refused. After construction ``mesh`` is always the
-    core `twinkle_fn.Mesh`, and ``mesh_dim_names``, ``ep_size``, ``etp_size``,
-    ``ep_fsdp_size`` and ``sequence_parallel`` hold the mesh's values. ``device_type`` is kept
+    array of global ranks (``mesh[coords]`` is the rank at those coordinates of the axes
+    ``mesh_dim_names`` names), ``core_mesh`` the `twinkle_fn.Mesh`, and ``ep_size``,
+    ``etp_size``, ``ep_fsdp_size`` and ``sequence_parallel`` hold the mesh's values. ``device_type`` is kept
     for upstream compatibility; the core picks CUDA when it is available.
     """
 
@@ -173,6 +211,7 @@ class DeviceMesh:
                         f"{field}={value!r} disagrees with the mesh's {have!r}; set it on the "
                         "twinkle_fn.Mesh and leave it unset here"
                     )
+            mesh = _with_ulysses(mesh, self.ulysses_size, from_core=True)
             names = tuple(a for a in _UPSTREAM_ORDER if a == "dp" or getattr(mesh, a) > 1)
         else:
             mesh, names = _mesh_from_array(
@@ -188,15 +227,31 @@ class DeviceMesh:
                 f"vpp_size={self.vpp_size}: virtual pipeline parallelism is not supported "
                 "(upstream Twinkle documents it as broken); leave vpp_size unset"
             )
-        mesh = _with_ulysses(mesh, self.ulysses_size, isinstance(self.mesh, Mesh))
+        if not isinstance(self.mesh, Mesh):
+            mesh = _with_ulysses(mesh, self.ulysses_size, from_core=False)
         # Frozen: the normalized values are written once, here.
-        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "_core", mesh)
+        object.__setattr__(self, "mesh", _rank_array(mesh, names))
         object.__setattr__(self, "mesh_dim_names", names)
         object.__setattr__(self, "ep_size", mesh.ep)
         object.__setattr__(self, "etp_size", mesh.etp)
         object.__setattr__(self, "ep_fsdp_size", mesh.edp if mesh.ep > 1 else self.ep_fsdp_size)
         object.__setattr__(self, "sequence_parallel", mesh.sequence_parallel)
         object.__setattr__(self, "ulysses_size", mesh.ulysses)
+
+    @property
+    def core_mesh(self) -> Mesh:
+        """The core's `twinkle_fn.Mesh` that this mesh views."""
+        return self._core
+
+    def _key(self) -> tuple:
+        return (self._core, self.mesh_dim_names, self.ep_fsdp_size, self.device_type)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @staticmethod
     def from_sizes(
@@ -239,10 +294,11 @@ class DeviceMesh:
             "device_type": device_type,
             "ep_fsdp_size": ep_fsdp_size,
         }
+        # Upstream names every axis given a size (and dp), so its rank is 0, not None, at size 1.
+        given = {"dp": 1, "fsdp": fsdp_size, "tp": tp_size, "pp": pp_size, "cp": cp_size}
         if dp_size is None:
-            return DeviceMesh(
-                Mesh.from_world(world_size, **sizes, sequence_parallel=sequence_parallel), **extra
-            )
+            mesh = Mesh.from_world(world_size, **sizes, sequence_parallel=sequence_parallel)
+            return _with_names(mesh, given, extra)
         mesh = Mesh(
             dp=_optional_size("dp_size", dp_size), **sizes, sequence_parallel=sequence_parallel
         )
@@ -253,53 +309,53 @@ class DeviceMesh:
                 f"{mesh.world_size} ranks; make their product {world_size}, or pass "
                 "dp_size=None to let dp fill the world"
             )
-        return DeviceMesh(mesh, **extra)
+        return _with_names(mesh, given, extra)
 
     # Sizes.
     @property
     def world_size(self) -> int:
         """Ranks in the mesh: ``dp * fsdp * tp * pp * cp * ulysses``."""
-        return self.mesh.world_size
+        return self.core_mesh.world_size
 
     @property
     def dp_world_size(self) -> int:
         """Replicas (the ``dp`` axis)."""
-        return self.mesh.dp
+        return self.core_mesh.dp
 
     @property
     def fsdp_world_size(self) -> int:
         """Shards of the fully sharded data-parallel axis."""
-        return self.mesh.fsdp
+        return self.core_mesh.fsdp
 
     @property
     def tp_world_size(self) -> int:
         """Tensor-parallel size."""
-        return self.mesh.tp
+        return self.core_mesh.tp
 
     @property
     def pp_world_size(self) -> int:
         """Pipeline stages."""
-        return self.mesh.pp
+        return self.core_mesh.pp
 
     @property
     def cp_world_size(self) -> int:
         """Context-parallel size."""
-        return self.mesh.cp
+        return self.core_mesh.cp
 
     @property
     def ep_world_size(self) -> int:
         """Expert-parallel size (laid over the same ranks)."""
-        return self.mesh.ep
+        return self.core_mesh.ep
 
     @property
     def etp_world_size(self) -> int:
         """Expert tensor-parallel size."""
-        return self.mesh.etp
+        return self.core_mesh.etp
 
     @property
     def data_world_size(self) -> int:
         """Distinct data shards: ``dp * fsdp``."""
-        return self.mesh.data_world_size
+        return self.core_mesh.data_world_size
 
     @property
     def order(self) -> str:
@@ -319,14 +375,19 @@ class DeviceMesh:
         """Size of axis `dim_name`. Raises ``ValueError`` for an unknown axis."""
         if dim_name not in (*_AXES, "ep", "etp", "ulysses"):
             raise ValueError(f"unknown mesh axis {dim_name!r}; use one of {', '.join(_AXES)}, ep")
-        return getattr(self.mesh, dim_name)
+        return getattr(self.core_mesh, dim_name)
 
     # This process's coordinates.
-    def _coord(self, axis: str) -> int:
-        return self.mesh.coords(self._own_rank())[axis]
+    def _coord(self, axis: str) -> int | None:
+        """This process's index on `axis`; None when the names leave `axis` out or this rank
+        is not in the mesh, as upstream's lookup in its rank array."""
+        rank = _platform_rank()
+        if axis not in self.mesh_dim_names or not 0 <= rank < self.world_size:
+            return None
+        return self.core_mesh.coords(rank)[axis]
 
     def _own_rank(self) -> int:
-        rank = current_rank()
+        rank = _platform_rank()
         if not 0 <= rank < self.world_size:
             raise ValueError(
                 f"this process is rank {rank} but the mesh has {self.world_size} ranks; "
@@ -335,43 +396,43 @@ class DeviceMesh:
         return rank
 
     @property
-    def dp_rank(self) -> int:
+    def dp_rank(self) -> int | None:
         """This process's replica index."""
         return self._coord("dp")
 
     @property
-    def fsdp_rank(self) -> int:
+    def fsdp_rank(self) -> int | None:
         """This process's shard index on the fsdp axis."""
         return self._coord("fsdp")
 
     @property
-    def tp_rank(self) -> int:
+    def tp_rank(self) -> int | None:
         """This process's tensor-parallel index."""
         return self._coord("tp")
 
     @property
-    def pp_rank(self) -> int:
+    def pp_rank(self) -> int | None:
         """This process's pipeline stage."""
         return self._coord("pp")
 
     @property
-    def cp_rank(self) -> int:
+    def cp_rank(self) -> int | None:
         """This process's context-parallel index."""
         return self._coord("cp")
 
     @property
     def ep_rank(self) -> int:
         """This process's expert-parallel index."""
-        return self.mesh.expert_coords(self._own_rank())["ep"]
+        return self.core_mesh.expert_coords(self._own_rank())["ep"]
 
     @property
     def data_rank(self) -> int:
         """This process's data shard: ``dp_rank * fsdp_size + fsdp_rank``."""
-        return self.mesh.data_rank(self._own_rank())
+        return self.core_mesh.data_rank(self._own_rank())
 
     def get_data_rank_from_global_rank(self, global_rank: int) -> int:
         """The data shard of `global_rank`. Raises ``ValueError`` if it is out of range."""
-        return self.mesh.data_rank(global_rank)
+        return self.core_mesh.data_rank(global_rank)
 
     def get_slice(self, total_length: int, rank: int | None = None) -> slice:
         """The contiguous part of a global batch of `total_length` that data rank `rank` gets.
@@ -385,34 +446,36 @@ class DeviceMesh:
             rank = self.data_rank if n > 1 else 0
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
             raise ValueError(f"data rank {rank!r} is out of range for {n} data ranks")
-        fsdp_index, dp_index = rank % self.mesh.fsdp, rank // self.mesh.fsdp
-        return self.mesh.get_slice(total_length, self.mesh.rank(dp=dp_index, fsdp=fsdp_index))
+        fsdp_index, dp_index = rank % self.core_mesh.fsdp, rank // self.core_mesh.fsdp
+        return self.core_mesh.get_slice(
+            total_length, self.core_mesh.rank(dp=dp_index, fsdp=fsdp_index)
+        )
 
     def get_collect_ranks(self) -> list[int]:
         """One global rank per data rank (tp/cp rank 0 of the last pipeline stage)."""
         last = self.pp_world_size - 1
         return [
-            self.mesh.rank(dp=d // self.mesh.fsdp, fsdp=d % self.mesh.fsdp, pp=last)
+            self.core_mesh.rank(dp=d // self.core_mesh.fsdp, fsdp=d % self.core_mesh.fsdp, pp=last)
             for d in range(self.data_world_size)
         ]
 
     def get_tp_ranks(self) -> list[int]:
         """The ranks of this process's tensor-parallel group."""
-        return self.mesh.groups_of(self._own_rank())["tp"]
+        return self.core_mesh.groups_of(self._own_rank())["tp"]
 
     def get_tp_last_ranks(self) -> list[int]:
         """Every rank that is the last of its tensor-parallel group."""
-        return [r for r in range(self.world_size) if self.mesh.is_tp_last(r)]
+        return [r for r in range(self.world_size) if self.core_mesh.is_tp_last(r)]
 
     def is_tp_last_rank(self, rank: int | None = None) -> bool:
         """Whether `rank` (default: this process) is the last of its tensor-parallel group."""
-        return self.mesh.is_tp_last(self._own_rank() if rank is None else rank)
+        return self.core_mesh.is_tp_last(self._own_rank() if rank is None else rank)
 
     def get_pp_stage_ranks(self, stage: int) -> list[int]:
         """The ranks of pipeline stage `stage`. Raises ``ValueError`` for a stage out of range."""
         if not 0 <= stage < self.pp_world_size:
             raise ValueError(f"stage {stage} is out of range for {self.pp_world_size} stages")
-        return [r for r in range(self.world_size) if self.mesh.coords(r)["pp"] == stage]
+        return [r for r in range(self.world_size) if self.core_mesh.coords(r)["pp"] == stage]
 
     def get_pp_first_ranks(self) -> list[int]:
         """The ranks of the first pipeline stage."""
@@ -424,11 +487,11 @@ class DeviceMesh:
 
     def is_pp_first_rank(self) -> bool:
         """Whether this process is on the first pipeline stage."""
-        return self.mesh.is_pp_first(self._own_rank())
+        return self.core_mesh.is_pp_first(self._own_rank())
 
     def is_pp_last_rank(self) -> bool:
         """Whether this process is on the last pipeline stage."""
-        return self.mesh.is_pp_last(self._own_rank())
+        return self.core_mesh.is_pp_last(self._own_rank())
 
     def __str__(self) -> str:
         desc = " x ".join(f"{a}={self.get_dim_size(a)}" for a in self.mesh_dim_names)

@@ -72,6 +72,42 @@ class InputProcessor:
             return pack(split)
         return pad_collate(features, self.pad_token_id, self.pad_to_multiple_of)
 
+    def collate_fn(
+        self,
+        inputs: Sequence[Mapping[str, Any]],
+        micro_batch_size: int | None = None,
+        variable_seq_lengths: bool = False,
+    ) -> list[dict[str, torch.Tensor]]:
+        """`inputs` collated as upstream's ``collate_fn``: a list of batches, one for the whole
+        of `inputs`, or one per `micro_batch_size` features (the last may be smaller).
+
+        Micro batches share the whole batch's padded length (``[micro, seq]`` each) unless
+        `variable_seq_lengths`, or padding-free collation, gives each its own. Raises
+        ``ValueError`` for a `micro_batch_size` that is not a positive int.
+        """
+        if micro_batch_size is None:
+            return [self(list(inputs))]
+        if (
+            isinstance(micro_batch_size, bool)
+            or not isinstance(micro_batch_size, int)
+            or micro_batch_size < 1
+        ):
+            raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+        starts = range(0, len(inputs), micro_batch_size)
+        whole = self(list(inputs))
+        if variable_seq_lengths or "cu_seqlens" in whole:
+            return [self(list(inputs[i : i + micro_batch_size])) for i in starts]
+        rows = whole["input_ids"].shape[0]  # [batch, seq]: every [batch, ...] tensor is split
+        return [
+            {
+                k: v[i : i + micro_batch_size]
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows
+                else v
+                for k, v in whole.items()
+            }
+            for i in starts
+        ]
+
 
 def unpack(values: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
     """Per-token `values` of `batch` as ``[n_seq, max_len]`` (zeros past each sample's end).

@@ -157,3 +157,21 @@ def _cut(row):
         out.append(row["input_ids"][start : start + n])
         start += n
     return out
+
+
+def test_mix_dataset_interleaves_until_the_first_source_runs_out():
+    """Upstream: ``datasets`` holds each source; ``mix_dataset(interleave=True)`` takes a row of
+    each in turn and stops when one runs out; concatenation keeps the sources' order."""
+    a, b = [{"t": f"a{i}"} for i in range(4)], [{"t": f"b{i}"} for i in range(2)]
+    ds = Dataset(DatasetMeta(data=a))
+    ds.add_dataset(DatasetMeta(data=b))
+    assert [len(rows) for rows in ds.datasets.values()] == [4, 2]
+    ds.mix_dataset(interleave=False)
+    assert [r["t"] for r in ds.dataset] == ["a0", "a1", "a2", "a3", "b0", "b1"]
+    ds.mix_dataset(interleave=True)
+    assert [r["t"] for r in ds.dataset] == ["a0", "b0", "a1", "b1"]
+    fresh = Dataset(DatasetMeta(data=a))
+    fresh.add_dataset(DatasetMeta(data=b))
+    fresh.map(lambda batch: {"t": [t.upper() for t in batch["t"]]})
+    with pytest.raises(ValueError, match="must come before map/filter/encode"):
+        fresh.mix_dataset()

@@ -132,3 +132,12 @@ def test_preprocessor_column_helpers():
     assert Preprocessor.map_row_to_col([], ["a"]) == {"a": []}
     with pytest.raises(NotImplementedError):
         DataFilter()({"a": 1})
+
+
+def test_hub_is_a_package_with_upstreams_hub_module():
+    """Upstream's tests import ``twinkle.hub.hub`` (the module) and replace its upload pool."""
+    import twinkle.hub.hub as hub_module
+
+    assert hub_module.HubOperation is HubOperation and hasattr(hub_module, "_executor")
+    with pytest.raises(HubUnavailableError, match="upload to 'me/repo'"):
+        HubOperation.async_push_to_hub("me/repo", ".")

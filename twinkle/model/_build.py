@@ -74,7 +74,7 @@ def device_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     nothing on one process). Raises ``ValueError`` when the mesh does not match the world."""
     init_distributed()
     mesh = mesh or DeviceMesh.from_sizes(dp_size=world_size())
-    mesh.mesh.validate(world_size())
+    mesh.core_mesh.validate(world_size())
     return mesh
 
 

@@ -215,7 +215,7 @@ class MegatronModel(TrainableModel):
             g.state, self._parked = tf.reload(self._parked), None
         if g.state is None:
             g.state = tf.init(
-                self._model, self._transform(g), self.device_mesh.mesh, seed=self._seed
+                self._model, self._transform(g), self.device_mesh.core_mesh, seed=self._seed
             )
         return g.state
 

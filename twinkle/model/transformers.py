@@ -98,7 +98,7 @@ class TransformersModel(TrainableModel):
     def _ensure_state(self, g: _group.Group) -> tf.TrainState:
         """`g`'s state; the first call builds every group's (they share the module)."""
         if g.state is None:
-            mesh = self.device_mesh.mesh
+            mesh = self.device_mesh.core_mesh
             self._model = _group.build_states(self._model, self._groups, mesh, self._seed)
         assert g.state is not None
         return g.state

@@ -7,9 +7,14 @@ Resource names take upstream's prefixes: ``ms://`` (ModelScope, the default) and
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 from typing import Any
+
+# Upstream submits `async_push_to_hub` uploads to a process pool bound here (its tests replace
+# it); this offline build uploads nothing, so no pool is started.
+_executor: concurrent.futures.Executor | None = None
 
 
 class HubUnavailableError(RuntimeError):
