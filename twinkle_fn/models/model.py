@@ -110,7 +110,7 @@ def from_hf_config(
     family = family_of(config)
     backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
-    _check_head(head, backend)
+    _check_head(head, backend, config)
     if seed is not None:
         torch.manual_seed(seed)
     if head == "value":
@@ -154,7 +154,7 @@ def from_pretrained(
     family = family_of(config)
     backend = _check_backend(backend)
     compute_dtype = _dtype(precision)
-    _check_head(head, backend)
+    _check_head(head, backend, config)
     critic_dir = any(a.endswith("ForTokenClassification") for a in config.architectures or ())
     if critic_dir and head != "value":
         raise ValueError(
@@ -297,11 +297,18 @@ def _check_backend(backend: str) -> str:
     return backends.canonical(backend)
 
 
-def _check_head(head: str, backend: str) -> None:
-    """Raise ``ValueError`` for a `head` outside `HEADS` or one `backend` does not build, naming
-    the backends that do."""
+def _check_head(head: str, backend: str, config: PretrainedConfig) -> None:
+    """Raise ``ValueError`` for a `head` outside `HEADS`, one `backend` does not build (naming
+    the backends that do), or a value head on a family transformers has no token-classification
+    model for (the critic's body and head come from it)."""
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
+    if head == "value" and type(config) not in AutoModelForTokenClassification._model_mapping:
+        raise ValueError(
+            f"head='value' on model_type {config.model_type!r}: transformers has no "
+            "token-classification model for it, which a critic is built from; use a family "
+            "that has one (llama, mistral, qwen2, qwen3, qwen3_moe...) or head='lm'"
+        )
     if head not in backends.get(backend).heads:
         offering = [name for name in backends.names() if head in backends.get(name).heads]
         raise ValueError(

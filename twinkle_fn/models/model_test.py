@@ -64,7 +64,12 @@ def test_from_pretrained_round_trip(tmp_path):
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def test_a_value_head_on_a_family_without_token_classification_is_refused():
+    with pytest.raises(ValueError, match="head='value' on model_type 'gemma3_text'"):
+        from_hf_config(tiny_config("gemma3_text"), seed=0, device="cpu", head="value")
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3_text"])
 def test_a_value_head_is_one_scalar_per_token(family):
     """The causal LM's body under transformers' token-classification head with one label:
     ``score`` ``[hidden] -> 1`` initialised as verl's critic (weight N(0, 0.02), bias 0), no
