@@ -25,29 +25,8 @@ from megatron.core.transformer.module import MegatronModule
 from peft import LoraConfig
 from torch import Tensor
 
-from twinkle_fn.backends.megatron.bridge import MLP, O_PROJ, QKV, Rule
+from twinkle_fn.backends.megatron.bridge import Rule
 from twinkle_fn.backends.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
-
-# The linears that take adapters, in export order, with the bridge rule of their weight.
-LINEARS: dict[str, Rule] = {
-    "self_attention.linear_qkv": QKV,
-    "self_attention.linear_proj": O_PROJ,
-    "mlp.linear_fc1": MLP[0],
-    "mlp.linear_fc2": MLP[1],
-}
-ALL_LINEAR = "all-linear"
-# LoraConfig fields refused unless at their off value: why, and the off value.
-_UNSUPPORTED: dict[str, tuple[str, Any]] = {
-    "bias": ("trains the base layers' biases", "none"),
-    "lora_bias": ("trains a bias on lora_B", False),
-    "modules_to_save": ("trains whole copies of modules", None),
-    "trainable_token_indices": ("trains rows of the embedding", None),
-    "target_parameters": ("adapts raw parameters rather than linear layers", None),
-    "use_dora": ("(DoRA) trains a magnitude vector", False),
-    "rank_pattern": ("gives layers their own rank", {}),
-    "alpha_pattern": ("gives layers their own alpha", {}),
-    "layer_replication": ("duplicates layers", None),
-}
 
 
 class LoraParallelLinear(MegatronModule):
