@@ -10,7 +10,9 @@ download) on the same ``[batch, seq]`` random tokens, bf16 compute, AdamW (lr 1e
 - ``twinkle_megatron_sequential``: the megatron backend with megatron-core's ``SequentialMLP``
   experts (a Python loop over experts; option ``grouped_experts=False``);
 - ``twinkle_megatron_grouped``: the megatron backend with its default experts, two grouped
-  GEMMs per layer (`twinkle_fn.backends.megatron.grouped_experts`).
+  GEMMs per layer (`twinkle_fn.backends.megatron.grouped_experts`);
+- ``*_compiled``: the twinkle rows with option ``compile_layers`` (GPU only; on megatron the
+  MoE dispatch stays eager, `twinkle_fn.backends.megatron.layer_compile`).
 
 Each row warms up, then takes the median of timed steps. It prints tokens/s, MFU (formula
 printed: active parameters, i.e. the top-k experts a token visits), CUDA peak memory and the
@@ -76,8 +78,10 @@ ROWS = (
     "hf_loop",
     "hf_compiled",
     "twinkle_fsdp",
+    "twinkle_fsdp_compiled",
     "twinkle_megatron_sequential",
     "twinkle_megatron_grouped",
+    "twinkle_megatron_grouped_compiled",
 )
 BASELINES = ("hf_loop", "hf_compiled")
 MFU_FORMULA = (
@@ -206,8 +210,10 @@ _ROW_BUILDERS = MappingProxyType(
         "hf_loop": _hf(compiled=False),
         "hf_compiled": _hf(compiled=True),
         "twinkle_fsdp": _twinkle("transformers"),
+        "twinkle_fsdp_compiled": _twinkle("transformers", {"compile_layers": True}),
         "twinkle_megatron_sequential": _twinkle("megatron", {"grouped_experts": False}),
         "twinkle_megatron_grouped": _twinkle("megatron"),
+        "twinkle_megatron_grouped_compiled": _twinkle("megatron", {"compile_layers": True}),
     }
 )
 

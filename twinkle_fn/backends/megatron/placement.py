@@ -25,8 +25,8 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 
-from twinkle_fn.backends.compile_layers import compile_layers
 from twinkle_fn.backends.megatron import grad_sync, parallel, param_sync
+from twinkle_fn.backends.megatron.layer_compile import compile_decoder_layers
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.backends.megatron.model import build_gpt_model
 from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
@@ -134,7 +134,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
-    compile_layers(gpt.decoder.layers, model.options.get("compile_layers", False))
+    compile_decoder_layers(gpt.decoder.layers, model.options.get("compile_layers", False))
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
     chunk = _ddp(gpt, wrapped, opts)
     if opts.overlap_param_gather:
