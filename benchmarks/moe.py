@@ -15,8 +15,8 @@ download) on the same ``[batch, seq]`` random tokens, bf16 compute, AdamW (lr 1e
   MoE dispatch stays eager, `twinkle_fn.backends.megatron.layer_compile`).
 
 Each row warms up, then takes the median of timed steps. It prints tokens/s, MFU (formula
-printed: active parameters, i.e. the top-k experts a token visits), CUDA peak memory and the
-ratio to each baseline, and writes JSON after every row.
+printed: active parameters, i.e. the top-k experts a token visits), CUDA peak memory (over the
+whole row, and of one more step alone) and the ratio to each baseline, and writes JSON after every row.
 
     python -m benchmarks.moe --shape qwen3-30b-a3b --layers 2 --seq 2048 --batch 4
 """
@@ -169,6 +169,7 @@ def _run_row(name: str, setup: tp.Setup, warmup: int, steps: int) -> dict[str, A
         with _ROW_BUILDERS[name](setup) as step:
             timing = tp.time_steps(step, warmup, steps, setup.device)
             peak_gib = tp._peak_gib(setup.device)
+            step_peak_gib = _step_peak_gib(step, setup.device)
     except Exception as e:  # a failing row is a result (out of memory), not a crash
         return {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
     finally:
@@ -178,9 +179,21 @@ def _run_row(name: str, setup: tp.Setup, warmup: int, steps: int) -> dict[str, A
         "step_ms": 1e3 * timing.seconds,
         "tokens_per_s": setup.input_ids.numel() / timing.seconds,
         "peak_mem_gib": peak_gib,
+        "step_peak_gib": step_peak_gib,
         "first_loss": timing.first_loss,
         "last_loss": timing.last_loss,
     }
+
+
+def _step_peak_gib(step: tp.Step, device: torch.device) -> float | None:
+    """The CUDA peak of one more step alone: warm-up and compilation excluded (``peak_mem_gib``
+    includes them)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return tp._peak_gib(device)
 
 
 def _hf(compiled: bool) -> Callable[[tp.Setup], contextlib.AbstractContextManager[tp.Step]]:
@@ -231,6 +244,9 @@ def _line(row: dict[str, Any]) -> str:
             f"{row['step_ms']:.1f} ms/step",
             "MFU n/a" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%",
             "peak n/a" if row["peak_mem_gib"] is None else f"peak {row['peak_mem_gib']:.1f} GiB",
+            "step peak n/a"
+            if row["step_peak_gib"] is None
+            else f"step peak {row['step_peak_gib']:.1f} GiB",
             *ratios,
             f"loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}",
         ]
