@@ -58,7 +58,10 @@ class Model:
     the megatron backend reads each rank's slices from; the module is then a skeleton on the
     meta device. ``head``: one of `HEADS`; a ``"value"`` model's module is transformers'
     ``<Family>ForTokenClassification`` with one label (the causal LM's body ``model.*`` and a
-    ``score`` linear ``[hidden] -> 1`` with a bias), whose per-token outputs are values.
+    ``score`` linear ``[hidden] -> 1`` with a bias), whose per-token outputs are values; the
+    megatron backend builds it as ``GPTModel`` with a replicated value head
+    (`twinkle_fn.backends.megatron.model.ValueHead`), its module lending config and weights
+    (from a directory: a skeleton on the meta device but for an initialised head).
     """
 
     module: torch.nn.Module

@@ -12,7 +12,9 @@ finishes the reduction (sequence-parallel norms, tied embeddings across stages),
 global supervised-token count, and applies the optimizer. With ``overlap_grad_reduce=False``
 the buffers hold this rank's unreduced sums until `step` reduces them all at once. Under context
 parallelism each rank runs its chunks of every sequence (`twinkle_fn.backends.megatron.context_parallel`;
-TransformerEngine's attention when its spec is used).
+TransformerEngine's attention when its spec is used). A critic (``head="value"``) is the same
+``GPTModel`` ending in a replicated value head (`twinkle_fn.backends.megatron.model.ValueHead`):
+it trains value losses and gives `MegatronBackend.token_values`.
 
 Optimizers. `megatron_optimizer` is the transform to use: ``tf.init`` builds megatron-core's
 ``DistributedOptimizer`` over the model chunks (fp32 main params, optimizer state sharded over

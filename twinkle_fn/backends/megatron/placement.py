@@ -112,9 +112,10 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
 
     Starts a one-rank process group when there is none and `mesh` has one rank, and
     megatron-core's parallel state (seed 0) unless it is already initialised for `mesh`; sets
-    a weak reference to the placement on every parameter as attribute `PLACEMENT_ATTR`. Raises ``ValueError`` for
-    unknown options, a megatron-core already initialised for another mesh, or as
-    ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
+    a weak reference to the placement on every parameter as attribute `PLACEMENT_ATTR`. A
+    critic (``model.head == "value"``) ends in a value head. Raises ``ValueError`` for
+    unknown options, LoRA on a critic, a megatron-core already initialised for another mesh, or
+    as ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
     when the weights do not fit the model.
     """
     opts = _options(model.options, mesh)

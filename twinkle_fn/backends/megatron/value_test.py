@@ -144,6 +144,13 @@ def one(megatron_world, tmp_path_factory):
         for b in ("transformers", "megatron")
     }
     head = model_placement(states["megatron"].model).module.output_layer
+    bf16 = tf.init(
+        tf.models.from_hf_config(
+            _config(), seed=0, head="value", backend="megatron", precision="bf16"
+        ),
+        _tx("megatron"),
+    )
+    values["bf16"] = tf.token_values(bf16, _batch(feats, "padded"))["values"]
     return dict(runs=runs, feats=feats, values=values, loaded=loaded, states=states, head=head)
 
 
@@ -159,6 +166,9 @@ def test_values_equal_the_transformers_critic_and_hfs_token_classification_model
     assert packed.shape[0] == 1
     torch.testing.assert_close(packed[packed != 0], want[want != 0], rtol=0, atol=VALUES_ATOL)
     assert bool((got[pad_collate(feats, pad_token_id=0)["labels"] == -100] == 0).all())
+    # bf16 (megatron's Float16Module around the head): bf16 rounding of values ~0.2 (observed 1e-3)
+    assert one["values"]["bf16"].dtype == torch.float32
+    torch.testing.assert_close(one["values"]["bf16"], got, rtol=0, atol=1e-2)
 
 
 def test_value_loss_steps_equal_the_transformers_backends(one):
