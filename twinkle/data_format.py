@@ -95,7 +95,8 @@ class ModelOutput(dict):
 
     Keys as upstream: ``loss`` (float, token mean), ``logps`` (``[n_seq, max_len]`` log-prob of
     each label, 0 where the label is ignored), ``logits`` (``[batch, seq, vocab]``, only when
-    asked for), ``num_tokens`` (int, supervised tokens), ``grad_norm`` (float, after a step).
+    asked for), ``values`` (``[n_seq, max_len]`` a value model's per-token values, laid out as
+    ``logps``), ``num_tokens`` (int, supervised tokens), ``grad_norm`` (float, after a step).
     """
 
     def __getattr__(self, name: str) -> Any:

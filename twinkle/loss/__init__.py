@@ -13,10 +13,20 @@ from twinkle.loss.base import Loss, LossInputError
 from twinkle.loss.cross_entropy import CrossEntropyLoss
 from twinkle.loss.dpo import DPOLoss, SimPOLoss
 from twinkle.loss.grpo import BNPOLoss, DRGRPOLoss, GRPOLoss, PPOLoss
+from twinkle.loss.value import PPOValueLoss
 
 LOSSES: dict[str, type[Loss]] = {
     cls.__name__: cls
-    for cls in (CrossEntropyLoss, GRPOLoss, BNPOLoss, DRGRPOLoss, PPOLoss, DPOLoss, SimPOLoss)
+    for cls in (
+        CrossEntropyLoss,
+        GRPOLoss,
+        BNPOLoss,
+        DRGRPOLoss,
+        PPOLoss,
+        DPOLoss,
+        SimPOLoss,
+        PPOValueLoss,
+    )
 }
 # upstream's `torch_loss_mapping` names
 LOSSES.update(
@@ -27,6 +37,7 @@ LOSSES.update(
     ppo=PPOLoss,
     dpo=DPOLoss,
     simpo=SimPOLoss,
+    ppo_value=PPOValueLoss,  # no upstream short name: upstream has no critic loss yet
 )
 # Upstream's losses this build does not provide, and why.
 NOT_PROVIDED = {
@@ -80,6 +91,7 @@ __all__ = [
     "Loss",
     "LossInputError",
     "PPOLoss",
+    "PPOValueLoss",
     "SimPOLoss",
     "make_loss",
 ]

@@ -2,5 +2,6 @@
 
 from twinkle.model.megatron import MegatronModel
 from twinkle.model.transformers import TransformersModel
+from twinkle.model.value import MegatronValueModel, TransformersValueModel
 
-__all__ = ["MegatronModel", "TransformersModel"]
+__all__ = ["MegatronModel", "MegatronValueModel", "TransformersModel", "TransformersValueModel"]

@@ -88,9 +88,11 @@ def build_model(
     *,
     backend: str = "transformers",
     options: Mapping[str, Any] | None = None,
+    head: str = "lm",
 ) -> tf.models.Model:
     """The core model from `model_id` (its own config.json), else from `config` with the
-    `overrides` fields set (random init from `seed`), for `backend` with its `options`.
+    `overrides` fields set (random init from `seed`), for `backend` with its `options`, ending
+    in `head` (``"value"``: a critic, see `twinkle_fn.models.from_pretrained`).
     ``dtype``/``torch_dtype`` are popped from `overrides` first: the parameters' dtype.
 
     Raises ``ValueError`` for `config`/fields next to a `model_id`, for neither given, and for
@@ -102,6 +104,7 @@ def build_model(
         activation_checkpointing=bool(fsdp_config.get("activation_checkpointing", False)),
         backend=backend,
         options=options,
+        head=head,
     )
     if model_id is not None:
         if config is not None or overrides:

@@ -32,6 +32,9 @@ _FIX = {
     "ref_logps": "pass ref_logps=<the reference's per-token log-probs>, e.g. "
     "forward_only(inputs=..., disable_lora=True)['logps'] of a LoRA model, or set beta=0",
     "rollout_logps": "pass rollout_logps=<the sampler's per-token log-probs>, or tis_cap=None",
+    "returns": "pass returns=<per-token returns, e.g. GAE advantages + old_values>",
+    "old_values": "pass old_values=<the critic's forward_only(inputs=...)['values'] taken "
+    "before the update>, or set_loss('PPOValueLoss', clip=None)",
 }
 
 

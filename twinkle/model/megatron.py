@@ -170,6 +170,8 @@ class MegatronModel(TrainableModel):
         ),
     }
 
+    _HEAD: ClassVar[str] = "lm"  # the core model's head (`MegatronValueModel`: "value")
+
     def __init__(
         self,
         model_id: str | os.PathLike[str] | None = None,
@@ -204,6 +206,7 @@ class MegatronModel(TrainableModel):
             self._seed,
             backend="megatron",
             options=options,
+            head=self._HEAD,
         )
         self._offload = dict(params=param_offload, grads=grad_offload, optimizer=optimizer_offload)
         self._parked: tf.Offloaded | None = None
@@ -285,8 +288,9 @@ class MegatronModel(TrainableModel):
         totals = _accumulate.read_loss(
             sum(aux["loss_sum"] for _, aux in runs), sum(aux["num_tokens"] for _, aux in runs)
         )
-        logps = _stack_rows([unpack(aux["logps"], batch) for batch, aux in runs])
-        return ModelOutput(logps=logps, **totals)
+        key = "values" if self._HEAD == "value" else "logps"  # what the forward yields
+        rows = _stack_rows([unpack(aux[key], batch) for batch, aux in runs])
+        return ModelOutput({key: rows}, **totals)
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def forward_only(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -68,6 +68,8 @@ class TransformersModel(TrainableModel):
     match the world.
     """
 
+    _HEAD: ClassVar[str] = "lm"  # the core model's head (`TransformersValueModel`: "value")
+
     def __init__(
         self,
         model_cls: Any = AutoModelForCausalLM,
@@ -87,7 +89,7 @@ class TransformersModel(TrainableModel):
         super().__init__(model_id, device_mesh, mixed_precision, kwargs)
         self.strategy = strategy
         self._model = _build.build_model(
-            model_id, config, kwargs, mixed_precision, fsdp_config, self._seed
+            model_id, config, kwargs, mixed_precision, fsdp_config, self._seed, head=self._HEAD
         )
 
     @property

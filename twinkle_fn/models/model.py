@@ -58,7 +58,10 @@ class Model:
     the megatron backend reads each rank's slices from; the module is then a skeleton on the
     meta device. ``head``: one of `HEADS`; a ``"value"`` model's module is transformers'
     ``<Family>ForTokenClassification`` with one label (the causal LM's body ``model.*`` and a
-    ``score`` linear ``[hidden] -> 1`` with a bias), whose per-token outputs are values.
+    ``score`` linear ``[hidden] -> 1`` with a bias), whose per-token outputs are values; the
+    megatron backend builds it as ``GPTModel`` with a replicated value head
+    (`twinkle_fn.backends.megatron.model.ValueHead`), its module lending config and weights
+    (from a directory: a skeleton on the meta device but for an initialised head).
     """
 
     module: torch.nn.Module
@@ -168,6 +171,18 @@ def from_pretrained(
         found = check_weights_dir(skeleton, path)
     if head == "value":
         config.update(_VALUE_HEAD)
+        if backends.get(backend).reads_own_weights:
+            return _model(
+                _critic_skeleton(config, path, critic_dir),
+                family,
+                backend,
+                compute_dtype,
+                device,
+                activation_checkpointing,
+                options,
+                path,
+                head=head,
+            )
         module = AutoModelForTokenClassification.from_pretrained(
             path, config=config, dtype=torch.float32
         )
@@ -197,6 +212,24 @@ def from_pretrained(
     if found:
         check_finite(module.state_dict(), where=f"model {path}", files=found)
     return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)
+
+
+def _critic_skeleton(config: PretrainedConfig, path: Path, critic_dir: bool) -> torch.nn.Module:
+    """A critic's module for a backend that reads its own slices of the files in `path`: on the
+    meta device, but for the head when the files are a causal LM's (they lack it), which is
+    initialised as transformers' ``from_pretrained`` initialises a missing tensor (the same
+    draws from torch's generator, so a seed gives both backends the same head). A critic's
+    files are checked as `check_weights_dir` does."""
+    with torch.device("meta"):
+        module = AutoModelForTokenClassification.from_config(config, dtype=torch.float32)
+    if critic_dir:
+        check_weights_dir(module, path)
+        return module
+    for name, child in module.named_children():
+        if name != module.base_model_prefix:
+            child.to_empty(device="cpu")
+            child.apply(module._init_weights)
+    return module
 
 
 def check_weights_dir(skeleton: torch.nn.Module, path: Path) -> dict[str, TensorSpec]:
@@ -234,6 +267,10 @@ def _model(
     head: str = "lm",
 ) -> Model:
     backends.get(backend).adopt(module)
+    if head == "value":
+        # what a backend that saves the config by itself (megatron) writes: files that load
+        # back as a critic
+        module.config.architectures = [type(module).__name__]
     module.train()  # from_pretrained returns eval mode; training wants dropout as configured
     if activation_checkpointing:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

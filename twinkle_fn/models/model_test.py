@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from twinkle_fn import backends
 from twinkle_fn.models import FAMILIES, from_hf_config, from_pretrained, resolve_model_dir
 from twinkle_fn.testing import tiny_config
 
@@ -35,16 +36,22 @@ def test_config_dict_and_precision():
             {"config": tiny_config(), "head": "critic"},
             "unknown head 'critic'; use one of lm, value",
         ),
-        (
-            {"config": tiny_config(), "head": "value", "backend": "megatron"},
-            r"backend='megatron' has no 'value' head; build this model with "
-            r"backend='transformers'",
-        ),
     ],
 )
 def test_bad_input_is_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         from_hf_config(**kwargs)
+
+
+def test_a_head_the_backend_does_not_build_is_refused_naming_one_that_does(monkeypatch):
+    """Both backends build both heads today; a backend without one is refused before building."""
+    monkeypatch.setattr(type(backends.get("megatron")), "heads", ("lm",))
+    with pytest.raises(
+        ValueError,
+        match=r"backend='megatron' has no 'value' head; build this model with "
+        r"backend='transformers'",
+    ):
+        from_hf_config(tiny_config(), head="value", backend="megatron")
 
 
 def test_unknown_family_from_a_real_gpt2_config():

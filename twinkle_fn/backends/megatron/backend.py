@@ -12,7 +12,9 @@ finishes the reduction (sequence-parallel norms, tied embeddings across stages),
 global supervised-token count, and applies the optimizer. With ``overlap_grad_reduce=False``
 the buffers hold this rank's unreduced sums until `step` reduces them all at once. Under context
 parallelism each rank runs its chunks of every sequence (`twinkle_fn.backends.megatron.context_parallel`;
-TransformerEngine's attention when its spec is used).
+TransformerEngine's attention when its spec is used). A critic (``head="value"``) is the same
+``GPTModel`` ending in a replicated value head (`twinkle_fn.backends.megatron.model.ValueHead`):
+it trains value losses and gives `MegatronBackend.token_values`.
 
 Optimizers. `megatron_optimizer` is the transform to use: ``tf.init`` builds megatron-core's
 ``DistributedOptimizer`` over the model chunks (fp32 main params, optimizer state sharded over
@@ -111,7 +113,7 @@ class MegatronBackend:
 
     reads_own_weights = True
     offers_grad_norm = False
-    heads = ("lm",)  # no value output layer yet: a critic runs on the transformers backend
+    heads = ("lm", "value")  # a critic: `twinkle_fn.backends.megatron.model.ValueHead`
 
     def module_device(self) -> torch.device:
         """The CPU: the HF module only lends the ``GPTModel`` its initial weights."""
@@ -180,7 +182,8 @@ class MegatronBackend:
         micro-batch. Without `accum` the buffers are zeroed first; with it, `accum` must be the `Grads` that
         owns them (the latest one, donated). Returns `Grads` whose tensors are views of the
         buffers and this call's ``loss_sum`` / ``num_tokens`` and ``logps`` (per-token
-        ``log p(label)`` in `batch`'s layout, see `evaluate_logps`). The views hold this rank's
+        ``log p(label)`` in `batch`'s layout, see `evaluate_logps`; a critic's are ``values``,
+        its per-token values before the update). The views hold this rank's
         unreduced sums with ``overlap_grad_reduce=False``; with it (the default) the sums over
         data ranks on the part of each buffer this rank's optimizer reads (its shard under
         `megatron_optimizer`, all of it under a plain transform) and scratch elsewhere.
@@ -202,14 +205,15 @@ class MegatronBackend:
         if params is None:
             params = {n: p.main_grad for n, p in state.params.items()}
             placement.live_grads = params
-        loss_sum, num_tokens, logps = forward_backward(
-            placement.chunks, mbs, placement.hf_config.vocab_size, loss=loss
+        loss_sum, num_tokens, per_token = forward_backward(
+            placement.chunks, mbs, placement.hf_config.vocab_size, loss=loss, head=placement.head
         )
         if placement.overlap_grad_reduce:
             grad_sync.finish_backward(placement.chunks)
         if placement.overlap_param_gather:
             param_sync.finish(placement.chunks)  # the forward waited for every gather
-        aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, "logps": _merged(batch, mbs, logps)}
+        key = "values" if placement.head == "value" else "logps"
+        aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, key: _merged(batch, mbs, per_token)}
         if accum is not None:
             loss_sum = accum.loss_sum + loss_sum
             num_tokens = accum.num_tokens + num_tokens
@@ -239,12 +243,25 @@ class MegatronBackend:
             out, logps = evaluate_logps(state, batch)
         return {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
 
+    @torch.no_grad()
     def token_values(self, state: TrainState, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Not offered (`heads`). Raises ``ValueError`` pointing at the transformers backend."""
-        raise ValueError(
-            "the megatron backend builds no value head; build the critic with "
-            "tf.models.from_pretrained(dir, head='value', backend='transformers')"
+        """A critic's per-token values of `batch`: megatron's schedule without backward, the
+        values of the last stage's `twinkle_fn.backends.megatron.model.ValueHead` broadcast to
+        every stage and merged back into `batch`'s layout (``[B, T]`` padded, ``[1, T]``
+        packed; float32, 0 where the label is -100), the same on every pipeline stage and
+        context-parallel rank of a data shard, and ``num_tokens``. A collective over the
+        model's ranks. Raises ``ValueError`` as
+        `twinkle_fn.backends.megatron.micro_batch.micro_batches` does."""
+        placement = model_placement(state.model)
+        mbs = _micro_batches(placement, batch)
+        _, num_tokens, values = forward_backward(
+            placement.chunks,
+            mbs,
+            placement.hf_config.vocab_size,
+            forward_only=True,
+            head=placement.head,
         )
+        return {"values": _merged(batch, mbs, values), "num_tokens": num_tokens}
 
     def optimizer(self, lr: Any, **hyper: Any) -> Any:
         """See `twinkle_fn.backends.megatron.optimizer.megatron_optimizer`."""

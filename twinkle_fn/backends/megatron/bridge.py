@@ -45,6 +45,8 @@ from twinkle_fn.backends.megatron.bridge_rules import (
     STAGES,
     TIED_LM_HEAD,
     TRANSFORMS,
+    VALUE_BIAS,
+    VALUE_HEAD,
     Rule,
     _etp_rank,
     _Layout,
@@ -88,6 +90,8 @@ __all__ = [
     "STAGES",
     "TIED_LM_HEAD",
     "TRANSFORMS",
+    "VALUE_BIAS",
+    "VALUE_HEAD",
     "HFState",
     "LocalStates",
     "Rule",
@@ -254,6 +258,7 @@ def hf_to_mcore(
     etp_rank: int | None = None,
     etp_size: int = 1,
     vocab_multiple: int = 128,
+    head: str = "lm",
 ) -> dict[str, torch.Tensor]:
     """This rank's local megatron-core tensors, named as in its GPTModel's ``state_dict``.
 
@@ -263,12 +268,15 @@ def hf_to_mcore(
     `twinkle_fn.mesh.Mesh.etp`, default 1; megatron-core's own default is `tp_size`) and
     `etp_rank` this rank's coordinate on it, by default ``tp_rank % etp_size``. The
     vocabulary is zero-padded to a multiple of ``vocab_multiple * tp_size`` (Megatron-LM's
-    ``make_vocab_size_divisible_by``). Tensors keep the source dtype and may share memory with
-    it. Raises ``ValueError`` for an unknown family, sizes that do not split the model (naming
+    ``make_vocab_size_divisible_by``). `head` ``"value"`` reads a critic (`rules_for`): the
+    value head's ``score`` tensors instead of the output layer's. Tensors keep the source
+    dtype and may share memory with it. Raises ``ValueError`` for an unknown family, sizes that do not split the model (naming
     the config field), ranks out of range, and a missing or misshapen HF tensor (naming it);
     ``TypeError`` for an unusable `hf_state`.
     """
-    rules, model, lay = _layout(hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple)
+    rules, model, lay = _layout(
+        hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple, head
+    )
     _rank("tp_rank", tp_rank, tp_size)
     _rank("pp_rank", pp_rank, pp_size)
     _rank("ep_rank", ep_rank, ep_size)
@@ -381,6 +389,7 @@ def mcore_to_hf(
     ep_size: int = 1,
     etp_size: int = 1,
     vocab_multiple: int = 128,
+    head: str = "lm",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors ``(checkpoint_name, tensor)`` from every rank's local megatron state.
 
@@ -388,11 +397,13 @@ def mcore_to_hf(
     `etp_size` does not divide `tp_size` -- to that rank's local tensors (extra names such as
     ``_extra_state`` are ignored; ranks that only replicate another are optional). The stream goes layer by layer in HF order, so at most one layer's tensors are
     gathered at a time; tensors may share memory with the inputs. A tied embedding's output
-    copy is not emitted. Layout arguments are as in `hf_to_mcore`. Raises ``ValueError``
+    copy is not emitted. Layout arguments and `head` are as in `hf_to_mcore`. Raises ``ValueError``
     (eagerly) for an unknown family, a layout that does not split the model or bad keys, and
     (while streaming) for a rank or tensor missing from `local_states`.
     """
-    rules, model, lay = _layout(hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple)
+    rules, model, lay = _layout(
+        hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple, head
+    )
     return _export_stream(rules, model, lay, _Ranks(local_states, lay))
 
 

@@ -118,6 +118,16 @@ LM_HEAD = Rule(("lm_head.weight",), "output_layer.weight", "vocab", 0, stage="la
 TIED_LM_HEAD = Rule(
     ("model.embed_tokens.weight",), "output_layer.weight", "vocab", 0, stage="last", tied=True
 )
+# A critic's value head (transformers' token-classification ``score``, one label): replicated.
+VALUE_HEAD = Rule(("score.weight",), "output_layer.weight", "copy", None, stage="last")
+VALUE_BIAS = Rule(("score.bias",), "output_layer.bias", "copy", None, stage="last")
+HEADS = ("lm", "value")
+
+
+def value_bias(hf_config: PretrainedConfig) -> bool:
+    """Whether a critic of `hf_config` has a bias on its value head (transformers'
+    ``token_classification_bias``, default True)."""
+    return bool(getattr(hf_config, "token_classification_bias", True))
 
 
 def moe_rules(moe: Moe) -> tuple[Rule, ...]:
@@ -161,13 +171,16 @@ def megatron_family(hf_config: PretrainedConfig) -> Family:
     return row
 
 
-def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
+def rules_for(hf_config: PretrainedConfig, head: str = "lm") -> list[Rule]:
     """The bridge table of `hf_config`'s family, in HF checkpoint order.
 
     Optional rows (biases, q/k norms, MoE, tied or separate output layer) follow the family's
-    row (`twinkle_fn.models.families`) and the config. Raises ``ValueError`` as
-    `megatron_family`.
+    row (`twinkle_fn.models.families`) and the config. `head` ``"value"`` (a critic) ends with
+    the value head's ``score`` rows instead of the output layer's. Raises ``ValueError`` as
+    `megatron_family`, and for a `head` outside `HEADS`.
     """
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
     fam = megatron_family(hf_config)
     rules = [EMBEDDING, INPUT_NORM, QKV]
     rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
@@ -177,7 +190,11 @@ def rules_for(hf_config: PretrainedConfig) -> list[Rule]:
     rules += [POST_ATTN_NORM, *MLP]
     rules += MLP_BIAS if fam.has_bias("mlp", hf_config) else ()
     rules += moe_rules(fam.moe) if fam.moe is not None else ()
-    rules += [FINAL_NORM, TIED_LM_HEAD if hf_config.tie_word_embeddings else LM_HEAD]
+    rules += [FINAL_NORM]
+    if head == "value":
+        rules += [VALUE_HEAD, VALUE_BIAS] if value_bias(hf_config) else [VALUE_HEAD]
+    else:
+        rules += [TIED_LM_HEAD if hf_config.tie_word_embeddings else LM_HEAD]
     return rules
 
 
@@ -344,8 +361,9 @@ def _layout(
     ep_size: int,
     etp_size: int,
     vocab_multiple: int,
+    head: str = "lm",
 ) -> tuple[list[Rule], _Model, _Layout]:
-    rules = rules_for(hf_config)
+    rules = rules_for(hf_config, head)
     model = _model(hf_config)
     lay = _Layout(tp_size, pp_size, ep_size, etp_size, vocab_multiple)
     _check_layout(model, lay)

@@ -103,7 +103,13 @@ def _weights(placement: MegatronPlacement, stage: int, dtype: torch.dtype) -> Na
     """Stage `stage`'s whole HF tensors (on its ranks: collectives over tp, etp and ep)."""
     mesh = placement.mesh
     rules, model, lay = _layout(
-        placement.hf_config, mesh.tp, mesh.pp, mesh.ep, mesh.etp, placement.vocab_multiple
+        placement.hf_config,
+        mesh.tp,
+        mesh.pp,
+        mesh.ep,
+        mesh.etp,
+        placement.vocab_multiple,
+        placement.head,
     )
     local = _local(placement)
     tp = parallel_state.get_tensor_model_parallel_group()

@@ -6,6 +6,11 @@ is what the layer spec, the bridge's parameter names, LoRA, dist checkpoints and
 compatibility layer are written and tested against, and it builds these families exactly. A
 family with linear-attention layers (Qwen3.5 / Qwen3-Next's Gated DeltaNet) is the reason to
 move to ``HybridModel``, all families at once, so that one model class serves the backend.
+
+A critic (``head="value"``) is the same ``GPTModel`` with its vocabulary output layer replaced by
+`ValueHead`, a replicated ``[hidden] -> 1`` linear: the way verl / slime build a megatron critic
+(their ``LinearForLastLayer``), which keeps the decoder, the bridge, the pipeline schedule and
+dist checkpoints of the causal LM unchanged; only the last stage's output differs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer import TransformerConfig
+from torch import Tensor
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -59,6 +67,40 @@ def _check_mesh_matches_megatron(mesh: Mesh) -> None:
             )
 
 
+class ValueHead(torch.nn.Linear):
+    """A critic's output layer: one value per token, ``[hidden] -> 1`` with a bias, replicated
+    on every tensor-parallel rank (one output cannot be split), in place of ``GPTModel``'s
+    vocab-parallel ``output_layer`` (and called like it).
+
+    Without sequence parallelism every tp rank holds the whole hidden states, computes the same
+    values and the same (whole) weight gradient, and hands the decoder the whole gradient of
+    its hidden states (which the decoder's row-parallel output already holds replicated): no
+    reduction. With it, each rank holds its sequence shard: it computes that shard's values,
+    which are all-gathered (backward: each rank keeps its shard's gradient), so the head's
+    gradient is this shard's part; the weight and bias are marked ``sequence_parallel`` for
+    ``finalize_model_grads`` to sum them over the tp group, as megatron does for its norms.
+    """
+
+    def __init__(self, config: TransformerConfig, *, bias: bool = True) -> None:
+        super().__init__(config.hidden_size, 1, bias=bias, dtype=config.params_dtype)
+        self.sequence_parallel = config.sequence_parallel
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(  # type: ignore[override]
+        self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[Tensor, None]:
+        """``(values, None)`` like megatron's output layer: `input_` ``[s, b, hidden]`` (this
+        rank's sequence shard under sequence parallelism) -> ``[S, b, 1]`` (the whole
+        sequence). `weight` must be None: a critic's head is never tied to the embedding."""
+        if weight is not None:
+            raise ValueError("a value head has its own weight; it cannot be tied to an embedding")
+        values = super().forward(input_)
+        if self.sequence_parallel:
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
 def build_gpt_model(
     hf_config: PretrainedConfig,
     mesh: Mesh,
@@ -68,6 +110,8 @@ def build_gpt_model(
     use_te: bool | None = None,
     grouped_experts: bool = True,
     vocab_multiple: int = 128,
+    head: str = "lm",
+    value_bias: bool = True,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's ``GPTModel`` stage for `hf_config` (randomly initialised, CPU-initialised).
@@ -80,7 +124,9 @@ def build_gpt_model(
     (grouped GEMMs or megatron's loop, see `spec.layer_spec`); `overrides`
         (``params_dtype``, ``bf16``, any ``TransformerConfig`` field) go to `transformer_config`.
         The model is moved to the current CUDA device when there is one. Logits are
-        ``[batch, seq, padded_vocab]`` (vocab split over tp).
+        ``[batch, seq, padded_vocab]`` (vocab split over tp). `head` ``"value"`` builds a critic:
+        the last stage's output layer is a `ValueHead` (with a bias iff `value_bias`) and the
+        embeddings are never tied.
 
         Raises ``RuntimeError`` if megatron-core's parallel state is not initialized, and
         ``ValueError`` if `mesh` differs from it, for an unsupported rope type, or as
@@ -102,13 +148,15 @@ def build_gpt_model(
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=first,
         post_process=last,
-        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and head == "lm",
         position_embedding_type="rope",
         rotary_base=theta,
     )
     if rope_type != "default":
         inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         model.rotary_pos_emb.inv_freq = inv_freq.float()
+    if head == "value" and last:
+        model.output_layer = ValueHead(config, bias=value_bias)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

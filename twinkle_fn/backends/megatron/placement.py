@@ -26,6 +26,7 @@ from megatron.core.transformer.module import Float16Module
 from torch import Tensor
 
 from twinkle_fn.backends.megatron import grad_sync, parallel, param_sync
+from twinkle_fn.backends.megatron.bridge_rules import value_bias
 from twinkle_fn.backends.megatron.layer_compile import compile_decoder_layers
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.backends.megatron.model import build_gpt_model
@@ -81,7 +82,9 @@ class MegatronPlacement:
     ``overlap_grad_reduce``: whether the DDP reduces gradients bucket by bucket during backward
     (`twinkle_fn.backends.megatron.grad_sync`) rather than all at once in ``step``;
     ``overlap_param_gather``: whether ``step`` leaves the distributed optimizer's parameter
-    all-gathers in flight, for the next forward to wait on (`twinkle_fn.backends.megatron.param_sync`).
+    all-gathers in flight, for the next forward to wait on (`twinkle_fn.backends.megatron.param_sync`);
+    ``head``: the model's (`twinkle_fn.models.model.HEADS`; ``"value"``: a critic, whose last
+    stage ends in `twinkle_fn.backends.megatron.model.ValueHead`).
     """
 
     mesh: Mesh
@@ -95,6 +98,7 @@ class MegatronPlacement:
     lora: LoraPlan | None = None
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    head: str = "lm"
 
     @property
     def seq_multiple(self) -> int:
@@ -108,12 +112,18 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
 
     Starts a one-rank process group when there is none and `mesh` has one rank, and
     megatron-core's parallel state (seed 0) unless it is already initialised for `mesh`; sets
-    a weak reference to the placement on every parameter as attribute `PLACEMENT_ATTR`. Raises ``ValueError`` for
-    unknown options, a megatron-core already initialised for another mesh, or as
-    ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
+    a weak reference to the placement on every parameter as attribute `PLACEMENT_ATTR`. A
+    critic (``model.head == "value"``) ends in a value head. Raises ``ValueError`` for
+    unknown options, LoRA on a critic, a megatron-core already initialised for another mesh, or
+    as ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
     when the weights do not fit the model.
     """
     opts = _options(model.options, mesh)
+    if model.options.get("lora") is not None and model.head == "value":
+        raise ValueError(
+            "LoRA on a value model would freeze its freshly initialised value head (only "
+            "adapters train); train the critic's full weights (drop the LoRA config)"
+        )
     overrides = opts.overrides
     if getattr(model.module, "is_gradient_checkpointing", False):
         overrides = {**_FULL_RECOMPUTE, **overrides}
@@ -126,11 +136,13 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         use_te=opts.use_te,
         grouped_experts=opts.grouped_experts,
         vocab_multiple=opts.vocab_multiple,
+        head=model.head,
+        value_bias=value_bias(model.config),
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         **overrides,
     )
-    load_hf_weights(gpt, model, mesh, opts.vocab_multiple)
+    load_hf_weights(gpt, model, mesh, opts.vocab_multiple, initial=True)
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
@@ -154,6 +166,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         lora=plan,
         overlap_grad_reduce=opts.overlap_grad_reduce,
         overlap_param_gather=opts.overlap_param_gather,
+        head=model.head,
     )
     # A weak reference: autograd's C++ nodes (megatron's grad hooks) hold the parameters, and a
     # strong one would close a cycle through them that Python's gc cannot see, keeping the whole
@@ -253,10 +266,15 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
         )
 
 
-def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
+def load_hf_weights(
+    gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int, *, initial: bool = False
+) -> None:
     """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
     the model has a ``weights_dir``, else from its module, in HF checkpoint names), cut by
-    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes.
+    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes. With `initial`
+    (the first load of a model), tensors the files lack are read from the module where it
+    holds them: a critic loaded from a causal LM's checkpoint has its body in the files and
+    its freshly initialised value head in the module (`twinkle_fn.models.from_pretrained`).
 
     Every slice is read and checked (names, shapes, finiteness, agreed over the ranks) before
     the first one is written. Raises ``RuntimeError`` when the slices do not fit `gpt` and
@@ -267,10 +285,12 @@ def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multip
     if model.weights_dir is not None:
         source = f"the HF checkpoint {model.weights_dir}"
         with SafetensorsReader(model.weights_dir) as reader:
-            local = local_weights(reader, model.config, mesh, rank, vocab_multiple)
+            held = {n: t for n, t in model.module.state_dict().items() if not t.is_meta}
+            files = _Overlay(reader, held) if initial and held else reader
+            local = local_weights(files, model.config, mesh, rank, vocab_multiple, model.head)
     else:
         state = checkpoint_names(model, model.module.state_dict())
-        local = local_weights(state, model.config, mesh, rank, vocab_multiple)
+        local = local_weights(state, model.config, mesh, rank, vocab_multiple, model.head)
     own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("._extra_state")}
     missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
     misshapen = [k for k in own.keys() & local.keys() if own[k].shape != local[k].shape]
@@ -283,6 +303,32 @@ def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multip
     device = next(iter(own.values())).device
     check_finite(local, where=f"{source} (megatron slices)", device=device)
     gpt.load_state_dict(local, strict=False)
+
+
+class _Overlay:
+    """A `twinkle_fn.backends.megatron.bridge.SliceSource`: `files`' tensors, and where they
+    lack one, `held`'s (whole tensors by HF name)."""
+
+    def __init__(self, files: SafetensorsReader, held: Mapping[str, Tensor]) -> None:
+        self._files, self._held = files, held
+
+    def _from_files(self, name: str) -> bool:
+        try:
+            self._files.shape(name)
+        except KeyError:
+            return name not in self._held
+        return True
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._files.shape(name) if self._from_files(name) else tuple(self._held[name].shape)
+
+    def get(self, name: str) -> Tensor:
+        return self._files.get(name) if self._from_files(name) else self._held[name].detach()
+
+    def get_rows(self, name: str, dim: int, start: int, stop: int) -> Tensor:
+        if self._from_files(name):
+            return self._files.get_rows(name, dim, start, stop)
+        return self._held[name].detach().narrow(dim, start, stop - start)
 
 
 def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module, opts: _Options) -> DistributedDataParallel:

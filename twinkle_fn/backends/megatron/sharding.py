@@ -33,13 +33,18 @@ def vocab_multiple(options: Mapping[str, Any]) -> int:
 
 
 def local_weights(
-    source: HFState, config: PretrainedConfig, mesh: Mesh, rank: int, multiple: int
+    source: HFState,
+    config: PretrainedConfig,
+    mesh: Mesh,
+    rank: int,
+    multiple: int,
+    head: str = "lm",
 ) -> dict[str, torch.Tensor]:
     """`rank`'s megatron tensors of the HF tensors in `source`, by megatron name.
 
     `source` is as `bridge.hf_to_mcore` reads it (a mapping, a getter, a `SafetensorsReader`)
-    in HF checkpoint names; `multiple` is the vocabulary padding unit (`vocab_multiple`).
-    Raises ``ValueError`` for a `rank` outside `mesh` and as ``hf_to_mcore`` does.
+    in HF checkpoint names; `multiple` is the vocabulary padding unit (`vocab_multiple`);
+    `head` the model's (`twinkle_fn.models.model.HEADS`). Raises ``ValueError`` for a `rank` outside `mesh` and as ``hf_to_mcore`` does.
     """
     coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
     return hf_to_mcore(
@@ -54,6 +59,7 @@ def local_weights(
         etp_rank=expert["etp"],
         etp_size=mesh.etp,
         vocab_multiple=multiple,
+        head=head,
     )
 
 
@@ -78,7 +84,8 @@ def shard_params(
     misshapen tensor (`bridge.hf_to_mcore`).
     """
     multiple = vocab_multiple(model.options)
-    return local_weights(checkpoint_names(model, full), model.config, mesh, rank, multiple)
+    named = checkpoint_names(model, full)
+    return local_weights(named, model.config, mesh, rank, multiple, model.head)
 
 
 def unshard_params(
@@ -114,5 +121,6 @@ def unshard_params(
             ep_size=mesh.ep,
             etp_size=mesh.etp,
             vocab_multiple=vocab_multiple(model.options),
+            head=model.head,
         )
     )

@@ -13,6 +13,9 @@
   supervised-token count of this data rank, the same on every pipeline stage and
   context-parallel rank, and each micro-batch's per-token log-probabilities of the labels
   (`micro_batch.merge_logps` puts them back into the batch's layout).
+- A critic (``head="value"``) ends in `twinkle_fn.backends.megatron.model.ValueHead`:
+  `token_values` is its output processor (per-token values, no vocabulary), a value loss gets
+  them as ``values``, and ``forward_backward`` returns them where an LM returns log-probabilities.
 """
 
 from __future__ import annotations
@@ -123,6 +126,34 @@ def _token_loss_sum(
     return out.loss_sum, out.num_tokens, report
 
 
+def token_values(
+    *, hidden_states: Tensor, output_layer: torch.nn.Module, labels: Tensor, **unused: Any
+) -> Tensor:
+    """``GPTModel`` output processor of a critic: ``[b, s]`` float32 (float64 for a float64
+    model) values of `output_layer` (a ``ValueHead``) at every token, differentiable, 0 where
+    `labels` ``[b, s]`` is -100. `hidden_states` is the last stage's ``[s, b, hidden]``."""
+    values, _ = output_layer(hidden_states)  # [s, b, 1]
+    values = values[..., 0].t()  # [b, s]
+    values = values.to(torch.promote_types(values.dtype, torch.float32))
+    # where, not a product: a non-finite value on an ignored token must not leak in
+    return torch.where(labels != IGNORE_INDEX, values, 0.0)
+
+
+def _value_loss_sum(
+    mb: MicroBatch, loss: TokenLoss | None, values: Tensor
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """megatron's loss_func contract for a critic: `loss` of the `token_values` ``[b, s]`` and
+    `mb`'s labels and fields; without a loss (values only, no backward) a zero sum over the
+    supervised tokens. The report's ``logps`` slot holds the values."""
+    if loss is None:
+        out_sum, count = values.new_zeros(()), (mb.labels != IGNORE_INDEX).sum()
+    else:
+        out = apply_loss(loss, TokenInputs(None, mb.labels, mb.fields, values=values))
+        out_sum, count = out.loss_sum, out.num_tokens
+    report = {"loss_sum": out_sum.detach(), "num_tokens": count, "logps": values.detach()}
+    return out_sum, count, report
+
+
 def forward_backward(
     chunks: Sequence[torch.nn.Module],
     batches: Sequence[MicroBatch],
@@ -130,6 +161,7 @@ def forward_backward(
     *,
     forward_only: bool = False,
     loss: TokenLoss | None = None,
+    head: str = "lm",
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Run megatron-core's schedule over `batches`; ``(loss_sum, num_tokens, logps)``.
 
@@ -146,7 +178,9 @@ def forward_backward(
     stage: ``[b, s]`` in the micro-batch's own layout, this context-parallel rank's chunks
     (`merge_logps` puts them back into the batch's layout). `loss` is the default cross entropy
     (None) or a `TokenLoss`, computed on the last stage from `token_terms` and the micro-batches'
-    ``fields`` (the loss sum and count are then the loss's own). Raises ``ValueError`` when the
+    ``fields`` (the loss sum and count are then the loss's own). A critic (`head` ``"value"``)
+    returns its per-token values in place of ``logps``, and trains `loss` (a value loss) on
+    them; without a loss (forward only) its loss sum is 0. Raises ``ValueError`` when the
     config would normalise or reduce the gradients itself, or `batches` is empty.
     """
     config = get_model_config(chunks[0])
@@ -163,7 +197,10 @@ def forward_backward(
         packed = mb.packed
         if packed is not None:  # rotated from each token's position, in one pass per layer
             packed = with_rotary(packed, model, mb.position_ids)
-        if loss is None:
+        if head == "value":
+            processor = token_values
+            loss_func = functools.partial(_value_loss_sum, mb, loss)
+        elif loss is None:
             processor = functools.partial(_output_losses, supervised_rows=mb.supervised_rows)
             loss_func = functools.partial(_loss_sum, mb.labels)
         else:

@@ -59,6 +59,7 @@ def full_weights(state: TrainState) -> dict[str, Tensor]:
             ep_size=mesh.ep,
             etp_size=mesh.etp,
             vocab_multiple=placement.vocab_multiple,
+            head=placement.head,
         )
     )
 
