@@ -127,10 +127,17 @@ def mean_reward(
 
 def sync(sampler: torch.nn.Module, state: TrainState, dtype: torch.dtype) -> int:
     """Load the trainer's weights into `sampler`, one bucket of HF-named tensors at a time (a
-    collective on several ranks); returns the bytes streamed."""
+    collective on several ranks; a LoRA model's adapters merged into the base weights, which a
+    plain HF sampler holds); returns the bytes streamed. Raises ``ValueError`` naming the
+    tensors `sampler` has no parameter for (another architecture)."""
     nbytes = 0
-    for bucket in export_weights(state, dtype=dtype):
-        sampler.load_state_dict(dict(bucket), strict=False)
+    for bucket in export_weights(state, dtype=dtype, lora="merged"):
+        unexpected = sampler.load_state_dict(dict(bucket), strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(
+                f"the sampler has no parameters {unexpected[:3]} of the trainer's stream; build "
+                "it from the trainer's config (AutoModelForCausalLM.from_config(model.config))"
+            )
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
     return nbytes
 
@@ -159,7 +166,7 @@ def iterations(
     (`sync`); `reference` (required when ``config.beta > 0``) the frozen initial policy
     (`reference_of`). Prompts are drawn from `prompts` per step, deterministically in `seed`
     and the step (a resumed run draws the same). The record: ``step`` (1-based), ``reward``
-    (the mean reward of the step's rollouts, before the update), ``loss`` and ``grad_norm`` (of
+    (the mean reward of the step's rollouts, before the update), ``loss``, ``grad_norm`` and ``lr`` (of
     the last PPO epoch), ``tokens`` (the batch's tokens per PPO epoch), ``rollout_s``,
     ``train_s`` (old log-probs and every PPO epoch), ``train_tokens_per_s`` (PPO epochs' tokens
     over their seconds), ``sync_s`` and ``sync_gb_per_s``. The state passed in is donated by the
@@ -223,21 +230,20 @@ def iterations(
         nbytes = sync(sampler, state, sync_dtype)
         sync_s = _seconds(tic, sampler)
         tokens = int(batch["input_ids"].numel())
-        yield (
-            state,
-            {
-                "step": i + 1,
-                "reward": sum(rewards) / len(rewards),
-                "loss": float(info["loss"]),
-                "grad_norm": float(info["grad_norm"]),
-                "tokens": tokens,
-                "rollout_s": rollout_s,
-                "train_s": train_s,
-                "train_tokens_per_s": tokens * config.ppo_epochs / epochs_s,
-                "sync_s": sync_s,
-                "sync_gb_per_s": nbytes / 1e9 / sync_s,
-            },
-        )
+        record = {
+            "step": i + 1,
+            "reward": sum(rewards) / len(rewards),
+            "loss": float(info["loss"]),
+            "grad_norm": float(info["grad_norm"]),
+            "lr": info["lr"],
+            "tokens": tokens,
+            "rollout_s": rollout_s,
+            "train_s": train_s,
+            "train_tokens_per_s": tokens * config.ppo_epochs / epochs_s,
+            "sync_s": sync_s,
+            "sync_gb_per_s": nbytes / 1e9 / sync_s,
+        }
+        yield state, record
 
 
 @torch.no_grad()
