@@ -101,7 +101,7 @@ def rollouts(
     device = next(sampler.parameters()).device
     ids = torch.tensor([list(prompt)], device=device).repeat(group_size, 1)  # [G, T]
     for _ in range(max_new_tokens):
-        logits = sampler(input_ids=ids, use_cache=False).logits[:, -1]  # [G, V]
+        logits = sampler(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]  # [G, V]
         probs = logits.float().softmax(-1)
         ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator)], dim=1)
     return ids[:, len(prompt) :].tolist()
@@ -247,15 +247,22 @@ def iterations(
 
 
 @torch.no_grad()
-def _reference_logps(reference: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The reference model's log-probabilities of `batch`'s labels, ``[B, T]`` (0 where -100)."""
+def _reference_logps(
+    reference: torch.nn.Module, batch: dict[str, torch.Tensor], rows: int = 16
+) -> torch.Tensor:
+    """The reference model's log-probabilities of `batch`'s labels, ``[B, T]`` (0 where -100),
+    `rows` sequences at a time (a large vocabulary's ``[rows, T, V]`` logits stay bounded)."""
     device = next(reference.parameters()).device
-    logits = reference(
-        input_ids=batch["input_ids"].to(device),
-        attention_mask=batch["attention_mask"].to(device),
-        use_cache=False,
-    ).logits  # [B, T, V]
-    return label_logps(logits.float(), batch["labels"].to(device)).cpu()
+    out = []
+    for start in range(0, batch["input_ids"].shape[0], rows):
+        part = slice(start, start + rows)
+        logits = reference(
+            input_ids=batch["input_ids"][part].to(device),
+            attention_mask=batch["attention_mask"][part].to(device),
+            use_cache=False,
+        ).logits  # [rows, T, V]
+        out.append(label_logps(logits, batch["labels"][part].to(device)).float().cpu())
+    return torch.cat(out)
 
 
 def _generator(sampler: torch.nn.Module, seed: int) -> torch.Generator:
