@@ -48,6 +48,17 @@ def test_the_run_writes_its_config_metrics_and_checkpoints(run_dir):
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
+def test_a_resumed_run_continues_bit_exactly(run_dir, tmp_path):
+    """From the step-3 checkpoint: the same rollouts (per-step seeds), the same final weights."""
+    args = ["rl", "--steps", str(STEPS), "--resume", str(run_dir / "checkpoints" / "step-3")]
+    assert main([*args, "--no-progress", "--output-dir", str(tmp_path)]) == 0
+    rewards = [r["reward"] for r in _records(tmp_path) if "reward" in r]
+    assert rewards == [r["reward"] for r in _records(run_dir) if "reward" in r][3:]
+    want = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").state_dict()
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_megatron_runs_the_same_command(tmp_path):
     args = ["rl", "--backend", "megatron", "--steps", "2", "--no-progress"]
     assert main([*args, "--output-dir", str(tmp_path)]) == 0

@@ -35,6 +35,8 @@ from twinkle_fn import grpo
 from twinkle_fn.distributed import init_distributed, rank
 
 HELD_OUT_PROMPTS = 8
+# the sampler's dtype (and the weight stream's) for each training precision: the compute dtype
+SAMPLER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # flag -> config key, as `twinkle.cli.train.FLAGS`
 FLAGS = {
     "model": "model.path",
@@ -204,7 +206,7 @@ def train_rl(config: RLRunConfig) -> Summary:
     state = tf.init(model, tx, mesh, seed=config.seed)
     if start_dir is not None:
         tf.checkpoint.load_weights(state, start_dir)
-    dtype = torch.float32 if config.precision == "fp32" else torch.bfloat16
+    dtype = SAMPLER_DTYPES[config.precision]
     sampler = _sampler(model.config, dtype)
     grpo.sync(sampler, state, dtype)
     reference = grpo.reference_of(sampler) if rl.beta > 0 else None  # the initial policy
