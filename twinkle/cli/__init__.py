@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from twinkle.cli import train
+from twinkle.cli import rl, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twinkle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_parser(sub)
+    rl.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

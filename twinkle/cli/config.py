@@ -167,14 +167,15 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build(raw: dict[str, Any]) -> RunConfig:
-    """The checked `RunConfig` of the nested mapping `raw` (missing keys: defaults).
+def build(raw: dict[str, Any], cls: type[RunConfig] = RunConfig) -> RunConfig:
+    """The checked `RunConfig` (or its subclass `cls`, e.g. ``twinkle rl``'s) of the nested
+    mapping `raw` (missing keys: defaults).
 
     Raises ``ValueError`` naming the key for an unknown key (with the nearest known one), a
     value of the wrong type, a backend or precision not offered, and a ``megatron`` block with
     another backend.
     """
-    config = _build(RunConfig, raw, "")
+    config = _build(cls, raw, "")
     if config.backend not in BACKENDS:
         raise ValueError(f"backend: {config.backend!r} is not one of {', '.join(BACKENDS)}")
     if config.precision not in PRECISIONS:

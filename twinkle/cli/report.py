@@ -38,9 +38,9 @@ def plot_losses(
     return path
 
 
-def print_summary(summary: Any) -> None:
+def print_summary(summary: Any, title: str = "twinkle train: summary") -> None:
     """Print `summary` (a dataclass) as a two-column table."""
-    table = Table(title="twinkle train: summary")
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in asdict(summary).items():
