@@ -64,13 +64,16 @@ class TransformersBackend:
         (and ``memory_budget``, see `twinkle_fn.backends.compile_layers`) compiles each decoder
         layer (after the tp plan, before FSDP2 wraps it), fusing the norms, rotary embedding,
         SwiGLU and residual adds that eager mode runs one by one.
-        The residual stream runs in the compute dtype on any mesh (`compute.cast_residual_stream`).
+        The residual stream runs in the compute dtype on any mesh (`compute.cast_residual_stream`),
+        and frozen weight matrices (a LoRA model's base) are stored in it
+        (`lora.store_frozen_in`); trained parameters stay float32 master weights.
         A module on transformers' SDPA attention switches to `attention.NAME`, which runs
         packed rows on a varlen kernel.
         """
         if model.placement is not None:
             return model
         compute.cast_residual_stream(model.module)
+        lora.store_frozen_in(model.module, model.compute_dtype)
         attention.use_varlen_attention(model.module)
         if mesh.world_size == 1:
             fsdp.compile_layers(model)
