@@ -15,6 +15,18 @@ lm_head left out):
 - ``twinkle_megatron`` / ``twinkle_megatron_compiled``: the same on the megatron backend with
   its ``megatron_optimizer``.
 
+``--workload full`` (full fine-tuning, clipping at 1.0):
+
+- ``twinkle_transformers_adamw``: float32 master weights and AdamW moments (16 bytes a
+  parameter: the reference that does not fit 80 GB at the 4B shape);
+- ``twinkle_transformers_adamw_bf16`` / ``_compiled``: ``options={"master_weights": False}``
+  and `twinkle_fn.optim.adamw_bf16` (bf16 parameters, gradients and moments, stochastic
+  rounding: 8 bytes a parameter);
+- ``twinkle_megatron_adamw_bf16`` / ``_compiled``: `twinkle_fn.optim.adamw_bf16` on the megatron
+  backend's bf16 parameters (its float32 grad buffer: 10 bytes a parameter);
+- ``twinkle_megatron_distopt``: the distributed optimizer (float32 main parameters and moments: 18 bytes
+  a parameter).
+
 Each row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
 Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes from
 the row's start (model construction included) in GiB. A failing row (out of memory) is reported
@@ -22,6 +34,8 @@ and the run goes on; the JSON is rewritten after every row.
 
     python -m benchmarks.one_gpu --workload lora --shape qwen3-4b --seq 2048 --batch 4 \\
         --json lora.json
+    python -m benchmarks.one_gpu --workload full --shape qwen3-4b --seq 2048 --batch 4 \\
+        --json full.json
 """
 
 from __future__ import annotations
@@ -90,6 +104,14 @@ WORKLOADS = MappingProxyType(
             "twinkle_transformers_compiled",
             "twinkle_megatron",
             "twinkle_megatron_compiled",
+        ),
+        "full": (
+            "twinkle_transformers_adamw",
+            "twinkle_transformers_adamw_bf16",
+            "twinkle_transformers_adamw_bf16_compiled",
+            "twinkle_megatron_adamw_bf16",
+            "twinkle_megatron_adamw_bf16_compiled",
+            "twinkle_megatron_distopt",
         ),
     }
 )
@@ -204,16 +226,24 @@ def _peft(setup: Setup, compiled: bool) -> Step:
     return step
 
 
-def twinkle_lora(setup: Setup, backend: str, options: dict[str, Any] | None = None) -> Step:
-    """``tf.fwd_bwd`` + ``tf.step`` of a LoRA (`LORA`) state on `backend`, bf16 compute."""
+def twinkle_step(
+    setup: Setup,
+    backend: str,
+    tx: tf.optim.GradientTransformation,
+    options: dict[str, Any] | None = None,
+    lora: bool = False,
+) -> Step:
+    """``tf.fwd_bwd`` + ``tf.step`` on `backend` with `tx`, bf16 compute; with `lora`, of a
+    LoRA (`LORA`) state."""
     # The megatron backend builds its own bf16 model from the HF module's weights: the module
     # stays on the CPU, or its float32 copy would sit on the GPU through the row.
     place = torch.device("cpu") if backend == "megatron" else setup.device
     model = tf.models.from_hf_config(
         setup.config, backend=backend, precision="bf16", device=place, seed=0, options=options
     )
-    model = tf.lora.add_lora(model, dict(LORA))
-    holder = [tf.init(model, _optimizer(backend))]
+    if lora:
+        model = tf.lora.add_lora(model, dict(LORA))
+    holder = [tf.init(model, tx)]
     batch = host_batch(padded_batch(setup.input_ids.cpu()), setup.device)
 
     def step() -> torch.Tensor:
@@ -224,13 +254,20 @@ def twinkle_lora(setup: Setup, backend: str, options: dict[str, Any] | None = No
     return step
 
 
-def _optimizer(backend: str) -> tf.optim.GradientTransformation:
+def _adamw(backend: str) -> tf.optim.GradientTransformation:
+    """AdamW with clipping: the optax-style chain, or megatron-core's distributed optimizer."""
     if backend == "megatron":
         from twinkle_fn.optim import megatron_optimizer
 
         return megatron_optimizer(_LR, weight_decay=_WEIGHT_DECAY, clip_grad=_CLIP)
     return tf.optim.chain(
         tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw(_LR, weight_decay=_WEIGHT_DECAY)
+    )
+
+
+def _adamw_bf16() -> tf.optim.GradientTransformation:
+    return tf.optim.chain(
+        tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw_bf16(_LR, weight_decay=_WEIGHT_DECAY)
     )
 
 
@@ -246,24 +283,65 @@ def _peft_compiled(setup: Setup) -> Iterator[Step]:
 
 @contextlib.contextmanager
 def _twinkle_transformers(setup: Setup) -> Iterator[Step]:
-    yield twinkle_lora(setup, "transformers")
+    yield twinkle_step(setup, "transformers", _adamw("transformers"), lora=True)
 
 
 @contextlib.contextmanager
 def _twinkle_transformers_compiled(setup: Setup) -> Iterator[Step]:
-    yield twinkle_lora(setup, "transformers", {"compile_layers": True})
+    options = {"compile_layers": True}
+    yield twinkle_step(setup, "transformers", _adamw("transformers"), options, lora=True)
 
 
 @contextlib.contextmanager
 def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
     with megatron_world(setup.device):
-        yield twinkle_lora(setup, "megatron")
+        yield twinkle_step(setup, "megatron", _adamw("megatron"), lora=True)
 
 
 @contextlib.contextmanager
 def _twinkle_megatron_compiled(setup: Setup) -> Iterator[Step]:
     with megatron_world(setup.device):
-        yield twinkle_lora(setup, "megatron", {"compile_layers": True})
+        options = {"compile_layers": True}
+        yield twinkle_step(setup, "megatron", _adamw("megatron"), options, lora=True)
+
+
+# --- full fine-tuning rows ------------------------------------------------------------------
+
+_NO_MASTERS = {"master_weights": False}
+
+
+@contextlib.contextmanager
+def _full_transformers_adamw(setup: Setup) -> Iterator[Step]:
+    yield twinkle_step(setup, "transformers", _adamw("transformers"))
+
+
+@contextlib.contextmanager
+def _full_transformers_adamw_bf16(setup: Setup) -> Iterator[Step]:
+    yield twinkle_step(setup, "transformers", _adamw_bf16(), dict(_NO_MASTERS))
+
+
+@contextlib.contextmanager
+def _full_transformers_adamw_bf16_compiled(setup: Setup) -> Iterator[Step]:
+    options = {**_NO_MASTERS, "compile_layers": True}
+    yield twinkle_step(setup, "transformers", _adamw_bf16(), options)
+
+
+@contextlib.contextmanager
+def _full_megatron_adamw_bf16(setup: Setup) -> Iterator[Step]:
+    with megatron_world(setup.device):
+        yield twinkle_step(setup, "megatron", _adamw_bf16())
+
+
+@contextlib.contextmanager
+def _full_megatron_adamw_bf16_compiled(setup: Setup) -> Iterator[Step]:
+    with megatron_world(setup.device):
+        yield twinkle_step(setup, "megatron", _adamw_bf16(), {"compile_layers": True})
+
+
+@contextlib.contextmanager
+def _full_megatron(setup: Setup) -> Iterator[Step]:
+    with megatron_world(setup.device):
+        yield twinkle_step(setup, "megatron", _adamw("megatron"))
 
 
 _ROWS = MappingProxyType(
@@ -274,6 +352,12 @@ _ROWS = MappingProxyType(
         "twinkle_transformers_compiled": _twinkle_transformers_compiled,
         "twinkle_megatron": _twinkle_megatron,
         "twinkle_megatron_compiled": _twinkle_megatron_compiled,
+        "twinkle_transformers_adamw": _full_transformers_adamw,
+        "twinkle_transformers_adamw_bf16": _full_transformers_adamw_bf16,
+        "twinkle_transformers_adamw_bf16_compiled": _full_transformers_adamw_bf16_compiled,
+        "twinkle_megatron_adamw_bf16": _full_megatron_adamw_bf16,
+        "twinkle_megatron_adamw_bf16_compiled": _full_megatron_adamw_bf16_compiled,
+        "twinkle_megatron_distopt": _full_megatron,
     }
 )
 
@@ -281,10 +365,15 @@ _ROWS = MappingProxyType(
 # --- output ---------------------------------------------------------------------------------
 
 
+# The row the others are compared with, per workload.
+_REFERENCE = MappingProxyType({"lora": "peft_compiled", "full": "twinkle_transformers_adamw"})
+
+
 def _print_table(result: dict[str, Any]) -> None:
     rows = result["rows"]
-    ref = rows.get("peft_compiled", {})
-    print("row | tokens/s | peak GiB | step ms | x peft_compiled | mem/peft_compiled")
+    name = _REFERENCE[result["workload"]]
+    ref = rows.get(name, {})
+    print(f"row | tokens/s | peak GiB | step ms | x {name} | mem/{name}")
     for name, row in rows.items():
         if row["status"] != "ok":
             print(f"{name} | {row['status']}: {row.get('error') or row.get('reason')}")

@@ -43,3 +43,19 @@ def test_lora_rows_train_the_same_task(lora_run, name):
 def test_rows_outside_the_workload_are_refused():
     with pytest.raises(SystemExit, match="not in workload"):
         one_gpu.main([*_TINY, "--rows", "nope", "--device", "cpu", "--json", ""])
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_gpu") / "full.json"
+    return one_gpu.main([*_TINY, "--workload", "full", "--device", "cpu", "--json", str(out)])
+
+
+def test_full_rows_train_the_same_task(full_run):
+    assert list(full_run["rows"]) == list(one_gpu.WORKLOADS["full"])
+    for name, row in full_run["rows"].items():
+        if "compiled" in name or ("megatron" in name and "megatron" not in backends.names()):
+            assert row["status"] == "skipped"
+            continue
+        assert row["status"] == "ok", (name, row)
+        assert row["first_loss"] == pytest.approx(math.log(512), abs=0.1)
