@@ -1,8 +1,10 @@
-"""Optax-style optimizers over in-place torch kernels: `adamw`, `sgd`, `clip_by_global_norm`,
+"""Optax-style optimizers over in-place torch kernels: `adamw`, `adamw_bf16` (bf16 moments and
+stochastically rounded bf16 parameters), `sgd`, `clip_by_global_norm`,
 composed with `chain` and applied with `apply_updates`; and `megatron_optimizer`, megatron-core's
 distributed optimizer, for the megatron backend."""
 
 from twinkle_fn.optim.adamw import AdamWState, adamw
+from twinkle_fn.optim.adamw_bf16 import AdamWBf16State, adamw_bf16
 from twinkle_fn.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -20,6 +22,7 @@ from twinkle_fn.optim.megatron import megatron_optimizer
 from twinkle_fn.optim.sgd import SGDState, sgd
 
 __all__ = [
+    "AdamWBf16State",
     "AdamWState",
     "DecayMask",
     "EmptyState",
@@ -30,6 +33,7 @@ __all__ = [
     "Schedule",
     "Updates",
     "adamw",
+    "adamw_bf16",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

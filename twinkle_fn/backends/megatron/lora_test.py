@@ -145,6 +145,27 @@ def _run(sizes, options=None, layout="packed", lora=CFG, steps=STEPS, adapter_di
     return run
 
 
+def _bf16_storage():
+    """The dtypes a bf16 LoRA state stores: frozen parameters, the adapters the model computes
+    with, and the distributed optimizer's main copies of them; and the model's parameter bytes."""
+    model = tf.models.from_hf_config(
+        tiny_config("qwen2"), seed=0, backend="megatron", precision="bf16"
+    )
+    state = tf.init(mlora.add_lora(model, CFG), megatron_optimizer(LR), tf.Mesh())
+    gpt = state.model.placement.module
+    frozen = [p for p in gpt.parameters() if not p.requires_grad]
+    out = dict(
+        frozen={p.dtype for p in frozen},
+        frozen_elements=sum(p.numel() for p in frozen),
+        frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
+        adapters={p.dtype for p in state.params.values()},
+        main={s["main_param"].dtype for s in state.opt_state.slots.values()},
+        moments={s["exp_avg"].dtype for s in state.opt_state.slots.values()},
+    )
+    parallel.destroy()
+    return out
+
+
 @pytest.fixture(scope="module")
 def one(megatron_world, tmp_path_factory):
     """The one-process references, trained (and saved) and with a random B at init."""
@@ -154,6 +175,7 @@ def one(megatron_world, tmp_path_factory):
         random_b=_run({}, lora=RANDOM_B, steps=0, adapter_dir=root / "random_b"),
         recompute=_run({}, activation_checkpointing=True),
         no_lora=_no_lora_logps({}),
+        bf16=_bf16_storage(),
         dirs={"trained": root / "trained", "random_b": root / "random_b"},
         root=root,
     )
@@ -201,6 +223,16 @@ def test_only_adapters_train_and_base_weights_stay_bit_identical(one):
     moved = [n for n, t in run["adapter"].items() if not torch.equal(t, run["at_init"][n])]
     assert len(moved) == len(run["adapter"])
     assert sorted(os.listdir(one["root"])) == ["random_b", "trained"]  # no temporary left
+
+
+def test_bf16_stores_frozen_weights_in_bf16_and_keeps_float32_masters(one):
+    """Float16Module casts the whole stage to bf16; only the trained adapters get float32
+    main parameters (and moments) in the distributed optimizer."""
+    bf16 = one["bf16"]
+    assert bf16["frozen"] == {torch.bfloat16}
+    assert bf16["frozen_bytes"] == 2 * bf16["frozen_elements"]
+    assert bf16["adapters"] == {torch.bfloat16}
+    assert bf16["main"] == bf16["moments"] == {torch.float32}
 
 
 @pytest.mark.parametrize("name", ["trained", "random_b"])

@@ -75,6 +75,13 @@ def megatron_optimizer(
 ) -> GradientTransformation:
     """AdamW through megatron-core's distributed optimizer, for the megatron backend.
 
+    It keeps float32 main parameters and moments (12 bytes a parameter besides the bf16 model
+    and its float32 grad buffer). Its bf16-moment mode (``use_precision_aware_optimizer``)
+    needs TransformerEngine's FusedAdam, which twinkle does not depend on, so it is not
+    offered; for full fine-tuning that must fit one GPU use `twinkle_fn.optim.adamw_bf16`
+    instead, which the backend applies to the model's own bf16 parameters (bf16 moments,
+    stochastic rounding: 10 bytes a parameter in all).
+
     ``init`` (called by ``tf.init`` with the parameters of a model prepared by the megatron
     backend) builds ``get_megatron_optimizer`` over its model chunks: fp32 main parameters,
     Adam moments sharded over data-parallel ranks, gradients clipped to global norm `clip_grad`

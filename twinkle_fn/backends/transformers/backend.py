@@ -64,13 +64,18 @@ class TransformersBackend:
         (and ``memory_budget``, see `twinkle_fn.backends.compile_layers`) compiles each decoder
         layer (after the tp plan, before FSDP2 wraps it), fusing the norms, rotary embedding,
         SwiGLU and residual adds that eager mode runs one by one.
-        The residual stream runs in the compute dtype on any mesh (`compute.cast_residual_stream`).
+        The residual stream runs in the compute dtype on any mesh (`compute.cast_residual_stream`),
+        and frozen weight matrices (a LoRA model's base) are stored in it
+        (`lora.store_frozen_in`); trained parameters stay float32 master weights unless
+        ``Model.options["master_weights"]`` is ``False`` (every parameter in the compute dtype,
+        for `twinkle_fn.optim.adamw_bf16`).
         A module on transformers' SDPA attention switches to `attention.NAME`, which runs
         packed rows on a varlen kernel.
         """
         if model.placement is not None:
             return model
         compute.cast_residual_stream(model.module)
+        lora.store_frozen_in(model.module, model.compute_dtype, _master_weights(model))
         attention.use_varlen_attention(model.module)
         if mesh.world_size == 1:
             fsdp.compile_layers(model)
@@ -264,6 +269,15 @@ class TransformersBackend:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """See `twinkle_fn.backends.transformers.export.export_weights`."""
         return export.export_weights(state, dtype, bucket_bytes, lora)
+
+
+def _master_weights(model: Model) -> bool:
+    """The model option ``master_weights`` (default True). Raises ``ValueError`` for a
+    non-bool."""
+    value = model.options.get("master_weights", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"option master_weights must be a bool, got {value!r}")
+    return value
 
 
 def _ulysses_group(state: TrainState) -> dist.ProcessGroup | None:

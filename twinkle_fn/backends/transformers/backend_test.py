@@ -118,3 +118,29 @@ def test_a_training_step_on_cuda_never_syncs_the_host(layout, loss):
         grads, _ = tf.fwd_bwd(state, batch, loss=token_loss)
         state, info = tf.step(state, grads)
     assert torch.isfinite(info["loss"]) and torch.isfinite(info["grad_norm"])
+
+
+def test_master_weights_off_stores_every_parameter_in_the_compute_dtype():
+    """``master_weights=False``: every parameter in bf16 (2 bytes each); a non-bool is refused
+    before anything is cast."""
+    model = tf.models.from_hf_config(
+        tiny_config("qwen2"),
+        seed=0,
+        precision="bf16",
+        device="cpu",
+        options={"master_weights": False},
+    )
+    numel = sum(p.numel() for p in model.module.parameters())
+    state = tf.init(model, tf.optim.adamw_bf16(1e-3))
+    assert {p.dtype for p in state.model.module.parameters()} == {torch.bfloat16}
+    assert sum(p.numel() * p.element_size() for p in state.params.values()) == 2 * numel
+    bad = tf.models.from_hf_config(
+        tiny_config("qwen2"),
+        seed=0,
+        precision="bf16",
+        device="cpu",
+        options={"master_weights": "no"},
+    )
+    with pytest.raises(ValueError, match="master_weights must be a bool, got 'no'"):
+        tf.init(bad, tf.optim.adamw(1e-3))
+    assert {p.dtype for p in bad.module.parameters()} == {torch.float32}

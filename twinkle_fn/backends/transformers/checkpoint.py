@@ -1,7 +1,9 @@
 """The transformers backend's checkpoint layout, inside a directory `twinkle_fn.checkpoint` makes.
 
 The HF model files (``config.json``, ``*.safetensors``), so ``AutoModelForCausalLM.from_pretrained``
-loads the directory, plus ``twinkle_state.pt`` (step, RNG key, loss scale, trainable names, and on
+loads the directory (every floating tensor in float32, the dtype the module is built in: frozen
+weights the backend stores in the compute dtype are upcast, exactly, so a checkpoint does not
+depend on the precision it was trained in), plus ``twinkle_state.pt`` (step, RNG key, loss scale, trainable names, and on
 one process the optimizer state). A sharded state (FSDP/TP) also writes ``dcp/``: parameters and
 optimizer state through ``torch.distributed.checkpoint``, each rank writing its own shards, so the
 checkpoint loads on another mesh (DCP reshards on load) or on one process.
@@ -70,7 +72,7 @@ def hf_specs(state: TrainState) -> tuple[dict[str, TensorSpec], frozenset[str]]:
     bind(module, state.params, sharded=state.model.placement is not None)
     specs, aliases = module_specs(module)
     meta = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
-    on_disk = revert_weight_conversion(module, meta)
+    on_disk = revert_weight_conversion(module, _as_saved(meta))
     return {n: TensorSpec.of(t) for n, t in on_disk.items()}, aliases
 
 
@@ -203,7 +205,15 @@ def _full_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
     """Every module tensor as a whole tensor, in HF names (a collective when sharded)."""
     module = state.model.module
     bind(module, state.params, sharded=state.model.placement is not None)
-    return unshard(dict(module.state_dict()))
+    return _as_saved(unshard(dict(module.state_dict())))
+
+
+def _as_saved(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` in the dtypes the HF files hold: bfloat16 / float16 ones (frozen weights stored
+    in the compute dtype, see `twinkle_fn.backends.transformers.lora.store_frozen_in`) upcast to
+    float32."""
+    low = (torch.bfloat16, torch.float16)
+    return {n: t.float() if t.dtype in low else t for n, t in tensors.items()}
 
 
 def _copy_module_weights(state: TrainState, saved: Mapping[str, torch.Tensor]) -> None:

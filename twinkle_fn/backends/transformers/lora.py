@@ -114,6 +114,36 @@ def add_lora(
     return dataclasses.replace(model)
 
 
+def store_frozen_in(
+    module: torch.nn.Module, dtype: torch.dtype, master_weights: bool = True
+) -> None:
+    """Store `module`'s frozen weight matrices in `dtype` (the compute dtype), in place; without
+    `master_weights`, every floating parameter.
+
+    A parameter that never trains needs no float32 master copy: under autocast its matmul reads
+    it in the compute dtype anyway, so float32 storage only doubles its memory and casts it again
+    in every forward. A *frozen weight matrix* is a floating parameter of two or more dims with
+    ``requires_grad=False`` that is not a LoRA adapter factor (an inactive adapter is frozen only
+    until `set_adapter` selects it, and trains from float32 then). Vectors (norm weights, biases)
+    stay as they are: they are tiny, and torch multiplies a norm's weight outside autocast, in
+    the weight's own dtype, so casting it would change the forward. Casting a matrix does not:
+    autocast rounds a float32 weight to `dtype` exactly as ``Tensor.to`` does, so the forward is
+    bit-identical. ``master_weights=False`` (the model option of that name) stores the trained
+    parameters in `dtype` too, for an optimizer that keeps its own precision
+    (`twinkle_fn.optim.adamw_bf16`). Nothing happens for a float32 `dtype`. The parameter objects
+    stay the same (ties such as a tied lm_head / embedding survive). Call it before the module
+    is sharded.
+    """
+    if dtype == torch.float32:
+        return
+    for name, p in module.named_parameters():
+        if not p.is_floating_point() or p.dtype == dtype:
+            continue
+        if master_weights and (p.requires_grad or p.ndim < 2 or _ADAPTER_OF_PARAM.search(name)):
+            continue
+        p.data = p.data.to(dtype)
+
+
 def adapter_names(module: torch.nn.Module) -> list[str]:
     """The names of the LoRA adapters `add_lora` put into `module`, in the order added."""
     return list(getattr(module, "peft_config", None) or ())

@@ -336,3 +336,81 @@ def test_several_adapters_misuse_raises():
     both = tf.init(model, tf.optim.adamw(1e-2))
     with pytest.raises(ValueError, match=r"weights of adapters \['a', 'b'\]"):
         lora.adapter_state_dict(both)
+
+
+# Frozen weight matrices of the tiny qwen2 (vocab 96, hidden 32, kv 16, intermediate 64, 2
+# layers, untied): embedding and lm_head 2 x 96 x 32, per layer q, o 32 x 32, k, v 16 x 32,
+# gate, up, down 64 x 32.
+FROZEN_MATRIX_ELEMENTS = 2 * 96 * 32 + 2 * (2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32)
+
+
+def _bf16_lora_state(store_frozen: bool, monkeypatch, seed: int = 0):
+    """A one-process bf16 LoRA state, its frozen matrices stored in bf16 or (as before this
+    option) left float32, and the module's parameter bytes before `tf.init`."""
+    import twinkle_fn.backends.transformers.lora as tlora
+
+    with monkeypatch.context() as m:
+        if not store_frozen:
+            m.setattr(tlora, "store_frozen_in", lambda *args: None)
+        model = tf.models.from_hf_config(
+            tiny_config("qwen2"), seed=seed, precision="bf16", device="cpu"
+        )
+        torch.manual_seed(1)
+        model = lora.add_lora(model, CFG)
+        before = _param_bytes(model.module)
+        state = tf.init(model, tf.optim.adamw(1e-2))
+    return state, before
+
+
+def _param_bytes(module):
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_bf16_lora_stores_frozen_matrices_in_bf16_and_trains_float32_adapters(monkeypatch):
+    state, before = _bf16_lora_state(True, monkeypatch)
+    named = dict(state.model.module.named_parameters())
+    frozen = {n for n, p in named.items() if not p.requires_grad}
+    assert sorted(state.params) == sorted(set(named) - frozen)
+    assert {state.params[n].dtype for n in state.params} == {torch.float32}
+    assert {named[n].dtype for n in frozen if named[n].ndim >= 2} == {torch.bfloat16}
+    assert {named[n].dtype for n in frozen if named[n].ndim < 2} == {torch.float32}
+    assert sum(named[n].numel() for n in frozen if named[n].ndim >= 2) == FROZEN_MATRIX_ELEMENTS
+    # Exactly two bytes saved per frozen matrix element, nothing else changed.
+    assert before - _param_bytes(state.model.module) == 2 * FROZEN_MATRIX_ELEMENTS == 49152
+
+
+def test_bf16_frozen_storage_leaves_the_step_and_the_reference_forward_unchanged(
+    monkeypatch, tmp_path
+):
+    """Autocast rounds a float32 weight to bf16 as ``Tensor.to`` does, so storing the frozen
+    matrices in bf16 changes no forward or backward value: the adapters after two steps and
+    the adapters-off log-probs are bit-identical to the float32-stored base's."""
+    batches = [pack(random_features(6, seed=40 + i)) for i in range(2)]
+    runs = {}
+    for store in (False, True):
+        state, _ = _bf16_lora_state(store, monkeypatch)
+        q_proj = state.model.module.model.layers[0].self_attn.q_proj.base_layer.weight
+        assert q_proj.dtype == (torch.bfloat16 if store else torch.float32)
+        for batch in batches:
+            grads, _ = tf.fwd_bwd(state, batch)
+            state, _ = tf.step(state, grads)
+        ref = tf.token_logps(state, batches[0], disable_lora=True)["logps"]
+        runs[store] = ({n: p.detach().clone() for n, p in state.params.items()}, ref, state)
+    (old, old_ref, _), (new, new_ref, state) = runs[False], runs[True]
+    assert old.keys() == new.keys()
+    for n in old:
+        torch.testing.assert_close(new[n], old[n], rtol=0, atol=0, msg=n)
+    torch.testing.assert_close(new_ref, old_ref, rtol=0, atol=0)
+    # The HF files keep float32 (upcast exactly) and load back into a bf16-stored state.
+    tf.checkpoint.save(state, tmp_path / "ckpt")
+    saved = {}
+    for f in (tmp_path / "ckpt").glob("*.safetensors"):
+        saved.update(load_file(f))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    base = dict(state.model.module.named_parameters())
+    for n, t in saved.items():
+        assert torch.equal(t, base[n].detach().float()), n
+    fresh, _ = _bf16_lora_state(True, monkeypatch, seed=1)
+    loaded = tf.checkpoint.load(fresh, tmp_path / "ckpt")
+    for n, p in loaded.model.module.named_parameters():
+        assert p.dtype == base[n].dtype and torch.equal(p.detach(), base[n].detach()), n
