@@ -1,4 +1,4 @@
-"""Optax-style optimizers over in-place torch kernels: `adamw`, `sgd`, `clip_by_global_norm`,
+"""Optax-style optimizers over in-place torch kernels: `adamw`, `sgd`, `muon`, `clip_by_global_norm`,
 composed with `chain` and applied with `apply_updates`; and `megatron_optimizer`, megatron-core's
 distributed optimizer, for the megatron backend."""
 
@@ -17,6 +17,7 @@ from twinkle_fn.optim.base import (
 from twinkle_fn.optim.clip import clip_by_global_norm
 from twinkle_fn.optim.masks import DecayMask, default_decay_mask, resolve_mask
 from twinkle_fn.optim.megatron import megatron_optimizer
+from twinkle_fn.optim.muon import MuonState, muon
 from twinkle_fn.optim.sgd import SGDState, sgd
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "DecayMask",
     "EmptyState",
     "GradientTransformation",
+    "MuonState",
     "OptState",
     "Params",
     "SGDState",
@@ -36,6 +38,7 @@ __all__ = [
     "current_lr",
     "default_decay_mask",
     "megatron_optimizer",
+    "muon",
     "resolve_mask",
     "sgd",
 ]
