@@ -94,7 +94,6 @@ CASES = {
 }
 # case -> why it does not run yet (emptied as this build catches up)
 NOT_YET = {
-    "sp_fsdp_dense": "not run yet",
     "tp_lora_pp2_tp2": "not run yet",
     "tp_full_pp2_tp2": "not run yet",
     "tp_lora_cp2_tp2": "not run yet",
