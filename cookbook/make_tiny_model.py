@@ -1,9 +1,10 @@
-"""Write a tiny random-init Qwen3 model with a character tokenizer into a directory.
+"""Write a tiny random-init Qwen3 (or Qwen3-MoE) model with a character tokenizer into a directory.
 
 The cookbook scripts run upstream Twinkle's examples on CPU with no download: this is the
 "model id" they load (a local HF directory: config.json, safetensors weights, tokenizer)::
 
     python cookbook/make_tiny_model.py /tmp/tiny-qwen3
+    python cookbook/make_tiny_model.py /tmp/tiny-qwen3-moe --family qwen3_moe
 """
 
 from __future__ import annotations
@@ -12,23 +13,38 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinkle_fn.data import char_tokenizer
 
+# family -> its config fields beyond the dense ones (4 experts, 2 per token, every layer MoE)
+FAMILIES = {
+    "qwen3": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1},
+}
+
 
 def make_tiny_model(
-    path: str | Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0
+    path: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    family: str = "qwen3",
 ) -> Path:
-    """Save a `num_layers`-layer Qwen3 of width `hidden_size` (random weights from `seed`) and
-    the character-level ChatML tokenizer to `path`; returns the path.
+    """Save a `num_layers`-layer model of `family` ('qwen3' or 'qwen3_moe', see `FAMILIES`) of
+    width `hidden_size` (random weights from `seed`) and the character-level ChatML tokenizer
+    to `path`; returns the path. Raises ``ValueError`` for another family.
 
     Qwen3 rather than Qwen2: transformers' ``AutoTokenizer`` replaces the saved tokenizer of a
     ``qwen2`` directory by its byte-level ``Qwen2Tokenizer``, which drops the whitespace the
     character vocabulary encodes; for ``qwen3`` it loads the tokenizer that was saved.
     """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     tokenizer = char_tokenizer()
-    config = Qwen3Config(
+    moe = {"moe_intermediate_size": hidden_size // 2} if family == "qwen3_moe" else {}
+    config = AutoConfig.for_model(
+        family,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         head_dim=hidden_size // 4,
@@ -40,6 +56,8 @@ def make_tiny_model(
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **FAMILIES[family],
+        **moe,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -54,8 +72,9 @@ def main() -> None:
     parser.add_argument("path", help="directory to write")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--family", choices=list(FAMILIES), default="qwen3")
     args = parser.parse_args()
-    make_tiny_model(args.path, args.hidden_size, args.num_layers)
+    make_tiny_model(args.path, args.hidden_size, args.num_layers, family=args.family)
 
 
 if __name__ == "__main__":

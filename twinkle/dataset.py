@@ -28,7 +28,7 @@ import twinkle.preprocessor
 from twinkle.hub import HubOperation
 from twinkle.infra import remote_class, remote_function
 from twinkle.preprocessor import DataFilter, Preprocessor
-from twinkle.template import Template
+from twinkle.template import TEMPLATES, Template
 from twinkle_fn.data import pack_greedy, read_text
 
 Row = dict[str, Any]
@@ -370,17 +370,19 @@ class PackingDataset(Dataset):
 
 
 def make_template(template_cls: Template | type | str, **kwargs: Any) -> Template:
-    """A `Template` from an instance, the class, or the name ``'Template'`` plus `kwargs`.
+    """A `Template` from an instance, a `Template` class, or a class name of
+    `twinkle.template.TEMPLATES` (``'Template'``, ``'Qwen3_5Template'``) plus `kwargs`.
 
     Raises ``ValueError`` for any other name or class.
     """
     if isinstance(template_cls, Template):
         return template_cls
-    if template_cls in ("Template", Template):
-        return Template(**kwargs)
+    cls = TEMPLATES.get(template_cls) if isinstance(template_cls, str) else template_cls
+    if isinstance(cls, type) and issubclass(cls, Template):
+        return cls(**kwargs)
     raise ValueError(
-        f"unknown template {template_cls!r}; this build has 'Template' (any tokenizer with a "
-        "chat template)"
+        f"unknown template {template_cls!r}; this build has {', '.join(map(repr, TEMPLATES))} "
+        "(each renders with the tokenizer's chat template)"
     )
 
 

@@ -14,9 +14,12 @@ outside a launcher). The core mesh is ``core_mesh``.
 Differences from upstream, all deliberate: an axis that was not set reports size 1 (upstream:
 0); ``get_slice`` refuses a batch smaller than the number of data ranks (upstream hands some
 ranks nothing); ``vpp_size > 1`` is refused (upstream marks VPP as broken); ``ulysses_size`` is
-the core's ``ulysses`` axis, which adds ranks to the world (upstream carves it out of ``dp *
-fsdp``: ``from_sizes(fsdp_size=2, ulysses_size=2)`` is 4 ranks here, 2 upstream) and is named
-in ``mesh_dim_names`` when larger than 1; a rank array
+the core's ``ulysses`` axis, named in ``mesh_dim_names`` when larger than 1. As upstream,
+`from_sizes` carves it out of the data ranks ``dp * fsdp`` when it divides them (from fsdp
+first: ``from_sizes(dp_size=2, fsdp_size=2, ulysses_size=2)`` is 4 ranks, 2 data shards); the
+core's ulysses ranks hold whole parameters (fsdp shrinks by the ulysses size), so the math is
+upstream's and only the parameter memory differs. Where it does not divide them (upstream
+refuses) the ulysses axis adds its own ranks (``from_sizes(ulysses_size=2)`` is 2 ranks); a rank array
 (``DeviceMesh(mesh=np.ndarray, mesh_dim_names=...)``) must follow the core's order, so
 upstream's ``from_sizes`` layout with fsdp outermost is refused when fsdp > 1 meets dp or pp > 1
 (`from_sizes` here builds the core's layout instead, naming the axes in the core's order).
@@ -25,6 +28,7 @@ upstream's ``from_sizes`` layout with fsdp outermost is refused when fsdp > 1 me
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -53,6 +57,17 @@ def _platform_rank() -> int:
     launcher (-1), `current_rank`."""
     rank = Platform.get_rank()
     return rank if rank >= 0 else current_rank()
+
+
+def _carve_ulysses(ulysses: int, fsdp: int, dp: int) -> tuple[int, int]:
+    """``(fsdp, dp)`` once `ulysses` ranks are taken out of the data ranks ``fsdp * dp`` (from
+    fsdp first, upstream's consecutive data ranks), when it divides both parts it takes from;
+    else unchanged (the ulysses axis then adds ranks)."""
+    from_fsdp = math.gcd(ulysses, fsdp)
+    from_dp = ulysses // from_fsdp
+    if ulysses == 1 or dp % from_dp:
+        return fsdp, dp
+    return fsdp // from_fsdp, dp // from_dp
 
 
 def _optional_size(name: str, value: int | None) -> int:
@@ -299,9 +314,9 @@ class DeviceMesh:
         if dp_size is None:
             mesh = Mesh.from_world(world_size, **sizes, sequence_parallel=sequence_parallel)
             return _with_names(mesh, given, extra)
-        mesh = Mesh(
-            dp=_optional_size("dp_size", dp_size), **sizes, sequence_parallel=sequence_parallel
-        )
+        dp = _optional_size("dp_size", dp_size)
+        sizes["fsdp"], dp = _carve_ulysses(sizes["ulysses"], sizes["fsdp"], dp)
+        mesh = Mesh(dp=dp, **sizes, sequence_parallel=sequence_parallel)
         if world_size != 1 and world_size != mesh.world_size:
             desc = " x ".join(f"{a}={getattr(mesh, a)}" for a in _AXES if getattr(mesh, a) > 1)
             raise ValueError(

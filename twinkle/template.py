@@ -168,3 +168,14 @@ class Template:
         if self.truncation_strategy == "right":
             return slice(0, self.max_length)
         return slice(n - self.max_length, n)
+
+
+class Qwen3_5Template(Template):
+    """Upstream's Qwen3.5 template, by name (``--template-cls Qwen3_5Template``): for text
+    conversations it is `Template` (the tokenizer's chat template renders Qwen3.5's turns);
+    upstream's vision inputs (``images``, ``videos``) are refused as `Template` refuses them
+    (this build is text-only)."""
+
+
+# upstream's template class names -> this build's classes
+TEMPLATES: dict[str, type[Template]] = {"Template": Template, "Qwen3_5Template": Qwen3_5Template}

@@ -1,4 +1,4 @@
-"""The `twinkle` command line."""
+"""The `twinkle` command line, and upstream's script arguments (`CLI`, `Args`)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from twinkle.cli import rl, train
+from twinkle.cli.args import CLI, Args
+
+__all__ = ["CLI", "Args", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,8 @@ class Pending:
     last_step: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Calls to `add`, not the core's count: a megatron pipeline splits each call further.
     micro_batches: int = 0
+    # Every call to `add` since the group began, steps or not (upstream's ``cur_step``).
+    seen: int = 0
     # Whether an update consumed the micro-batches added since the last update: a later `step`
     # finds nothing new and is a no-op, not an error (upstream's clip_grad_norm / step loop
     # after `MegatronModel.clip_grad_norm` made the update).
@@ -53,6 +55,7 @@ class Pending:
         ``[batch, seq]`` of backends whose forward yields them (megatron's)."""
         self.grads, aux = tf.fwd_bwd(state, batch, accum=self.grads, loss=loss)
         self.micro_batches += counts
+        self.seen += counts
         self.updated = False
         return aux
 

@@ -138,6 +138,12 @@ class TrainableModel(abc.ABC):
         adapter's."""
         return self._ensure_state(self._resolve(None))
 
+    @property
+    def optimizer_group(self) -> dict[str, _group.GroupView]:
+        """Upstream's optimizer groups by adapter name (``''``: the full model while no
+        adapter trains), each read live: ``model.optimizer_group['default'].cur_step``."""
+        return {g.name: _group.GroupView(g) for g in self._groups}
+
     def state_of(self, adapter_name: str | None = None) -> tf.TrainState:
         """The current `twinkle_fn.TrainState` of adapter `adapter_name` (its weights,
         optimizer state and step). Raises ``ValueError`` for an unknown adapter."""

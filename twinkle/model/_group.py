@@ -48,6 +48,27 @@ class Group:
     pending: Pending = dataclasses.field(default_factory=Pending)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """What upstream's scripts read of an optimizer group (``model.optimizer_group[name]``):
+    its adapter name, `gradient_accumulation_steps` and `cur_step`, the micro-batches it has
+    trained on (``forward_backward`` calls, stepped or not), as upstream counts them."""
+
+    group: Group
+
+    @property
+    def adapter_name(self) -> str:
+        return self.group.name
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.group.gradient_accumulation_steps
+
+    @property
+    def cur_step(self) -> int:
+        return self.group.pending.seen
+
+
 class Groups:
     """A model's groups by adapter name: the full-model group ``''`` until the first adapter is
     added, then one group per adapter (the ``''`` group keeps the settings made before, which

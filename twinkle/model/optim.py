@@ -15,6 +15,7 @@ from typing import Any
 
 import twinkle_fn as tf
 from twinkle_fn.optim import GradientTransformation, Schedule
+from twinkle_fn.optim.muon import EPS, NS_COEFFICIENTS, NS_STEPS
 
 DEFAULT_LR = 1e-5
 DEFAULT_WEIGHT_DECAY = 0.01
@@ -30,8 +31,8 @@ class OptimizerSpec:
 
     def transform(self, lr: float | Schedule) -> GradientTransformation:
         """The transform with learning rate `lr` (a float or a schedule)."""
-        make = tf.optim.adamw if self.name in ("AdamW", "Adam") else tf.optim.sgd
-        return make(lr, **self.kwargs)
+        make = {"AdamW": tf.optim.adamw, "Adam": tf.optim.adamw, "Muon": tf.optim.muon}
+        return make.get(self.name, tf.optim.sgd)(lr, **self.kwargs)
 
 
 # torch's implementation switches: they pick a kernel, not the update, so they are accepted and
@@ -86,19 +87,44 @@ def _sgd(
     )
 
 
+def _muon(
+    lr: float = DEFAULT_LR,
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = EPS,
+    ns_steps: int = NS_STEPS,
+    adjust_lr_fn: str | None = None,
+) -> OptimizerSpec:
+    # torch.optim.Muon's own default decay (0.1) is what upstream's parameter groups override
+    # with their weight_decay (default 0.01 on matrices), as for AdamW.
+    kwargs = dict(
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_coefficients=tuple(ns_coefficients),
+        eps=eps,
+        ns_steps=ns_steps,
+        adjust_lr_fn=adjust_lr_fn,
+    )
+    return OptimizerSpec("Muon", lr, kwargs)
+
+
 # Decay applies to matrices only (biases and norms excluded), as upstream's parameter groups.
 OPTIMIZERS: dict[str, Callable[..., OptimizerSpec]] = {
     "AdamW": _adamw,
     "default": _adamw,
     "Adam": _adam,
     "SGD": _sgd,
+    "Muon": _muon,
 }
 
 
 def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> OptimizerSpec:
     """The optimizer named by `optimizer_cls` (a name, or ``torch.optim.AdamW``/``Adam``/
-    ``SGD``) with torch's keyword arguments (``lr``, ``weight_decay``, ``betas``, ``eps``,
-    ``momentum``...). ``Adam`` is taken without weight decay only (then it is AdamW with
+    ``SGD``/``Muon``) with torch's keyword arguments (``lr``, ``weight_decay``, ``betas``,
+    ``eps``, ``momentum``, Muon's ``adjust_lr_fn``, ``ns_steps``...). ``Adam`` is taken without weight decay only (then it is AdamW with
     ``weight_decay=0``). torch's kernel switches ``foreach``, ``fused`` and ``capturable``
     are accepted and ignored: they choose how torch computes the update, not the update.
 
@@ -109,7 +135,7 @@ def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> OptimizerSpec:
     if name not in OPTIMIZERS:
         raise ValueError(
             f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)} "
-            "(torch.optim.AdamW, torch.optim.Adam and torch.optim.SGD by class too)"
+            "(torch.optim.AdamW, Adam, SGD and Muon by class too)"
         )
     if "params" in kwargs:
         raise ValueError(

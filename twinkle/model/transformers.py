@@ -126,6 +126,7 @@ class TransformersModel(TrainableModel):
         temperature: float = 1.0,
         gradient_accumulation_steps: int | None = None,
         micro_batch_size: int | None = None,
+        task: str = "causal_lm",
         **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs`, adding the gradients to the pending ones.
@@ -143,8 +144,10 @@ class TransformersModel(TrainableModel):
         read at step time (checked here: ``ValueError`` unless a positive int or None). Raises
         ``TypeError`` / ``ValueError`` before any compute for loss inputs the loss does not read,
         lacks or cannot align (naming the loss, the input and the fix), and for a bad
-        `micro_batch_size` (as `MegatronModel`'s).
+        `micro_batch_size` (as `MegatronModel`'s), and ``ValueError`` for a `task` other than
+        upstream's ``'causal_lm'`` (the next-token loss of `set_loss`).
         """
+        _check_task(task)
         g = self._resolve(adapter_name)
         _group.accumulation_steps(g, gradient_accumulation_steps)
         features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
@@ -271,3 +274,21 @@ class TransformersModel(TrainableModel):
         _group.set_scheduler(g, scheduler_cls, kwargs)
         if g.state is not None:
             g.state = g.state.replace(tx=_group.transform(g, None))
+
+
+# upstream's other forward tasks -> why this build has no such task
+_OTHER_TASKS = {
+    "fused_lm_ce": "Liger's fused linear cross entropy (--enable-liger); the core's cross "
+    "entropy is already fused with the lm_head, under task='causal_lm'",
+}
+
+
+def _check_task(task: str) -> None:
+    """Raises ``ValueError`` for a forward task other than ``'causal_lm'``, naming it."""
+    if task == "causal_lm":
+        return
+    why = _OTHER_TASKS.get(task, "not a task of this build")
+    raise ValueError(
+        f"forward_backward(task={task!r}): {why}; pass task='causal_lm' (the loss set by "
+        "set_loss on the next-token labels)"
+    )

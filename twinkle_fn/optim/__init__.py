@@ -1,5 +1,5 @@
 """Optax-style optimizers over in-place torch kernels: `adamw`, `adamw_bf16` (bf16 moments and
-stochastically rounded bf16 parameters), `sgd`, `clip_by_global_norm`,
+stochastically rounded bf16 parameters), `sgd`, `muon`, `clip_by_global_norm`,
 composed with `chain` and applied with `apply_updates`; and `megatron_optimizer`, megatron-core's
 distributed optimizer, for the megatron backend."""
 
@@ -19,6 +19,7 @@ from twinkle_fn.optim.base import (
 from twinkle_fn.optim.clip import clip_by_global_norm
 from twinkle_fn.optim.masks import DecayMask, default_decay_mask, resolve_mask
 from twinkle_fn.optim.megatron import megatron_optimizer
+from twinkle_fn.optim.muon import MuonState, muon
 from twinkle_fn.optim.sgd import SGDState, sgd
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DecayMask",
     "EmptyState",
     "GradientTransformation",
+    "MuonState",
     "OptState",
     "Params",
     "SGDState",
@@ -40,6 +42,7 @@ __all__ = [
     "current_lr",
     "default_decay_mask",
     "megatron_optimizer",
+    "muon",
     "resolve_mask",
     "sgd",
 ]

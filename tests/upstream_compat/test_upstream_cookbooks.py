@@ -1,0 +1,202 @@
+"""Upstream Twinkle's own cookbook scripts, run verbatim against this `twinkle`.
+
+Each script (``cookbook/transformers/fsdp2.py``, ``sp_fsdp_dense.py``,
+``cookbook/megatron/tp.py``, ``tp_moe.py``) is read from the local mirror of upstream's
+repository at test time (never copied into this one) and written unchanged into a temporary
+directory; its flags are those of its ``.sh`` file, read from the mirror too, with only these
+changed: the model id (a tiny local model, `cookbook/make_tiny_model.py`), the dataset id (a
+small self-cognition file written here), sizes (samples, batch size, intervals), the mesh sizes
+(to fit the ranks of a CPU run) and the output directory. It runs on CPU over gloo, under
+``torchrun --nproc_per_node N`` for several ranks, and must exit 0, write its checkpoints and
+lower its loss. The full-parameter variant of ``tp.py`` is the script with its one
+``add_adapter_to_model`` line removed, as its comment says ("Comment this to use
+full-parameter training").
+
+Not run: ``ep_fsdp2_lora_qwen3_5_moe.py`` (expert parallelism on the transformers backend and
+the qwen3_5_moe family are other issues' work). Skipped when the mirror (or git) is absent, as
+on CI's clean machine. Each case prints its command and the last lines of its output.
+"""
+
+import ast
+import json
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MIRROR = Path("/work/.mirror/modelscope+twinkle/repo")
+COOKBOOK = ROOT / "cookbook"
+
+pytestmark = pytest.mark.skipif(
+    not MIRROR.is_dir() or shutil.which("git") is None,
+    reason=f"upstream Twinkle's mirror {MIRROR} (or git) is absent on this machine",
+)
+
+# self-cognition rows as upstream's dataset has them: {{NAME}} / {{AUTHOR}} placeholders
+_ROWS = [
+    ("who are you?", "I am {{NAME}}, a language model made by {{AUTHOR}}."),
+    ("what is your name?", "My name is {{NAME}}."),
+    ("who made you?", "I was made by {{AUTHOR}}."),
+    ("introduce yourself", "I am {{NAME}} from {{AUTHOR}}, here to help you."),
+]
+# script -> (its .sh, ranks, model family, flags changed from the .sh)
+_SIZES = {"--train-samples": "48", "--eval-samples": "8", "--log-interval": "1"}
+CASES = {
+    "fsdp2": (
+        "cookbook/transformers/fsdp2.py",
+        4,
+        "qwen3",
+        {"--dp-size": "2", "--fsdp-size": "2", "--batch-size": "4", "--eval-interval": "3"},
+    ),
+    "sp_fsdp_dense": (
+        "cookbook/transformers/sp_fsdp_dense.py",
+        4,
+        "qwen3",
+        {"--dp-size": "2", "--fsdp-size": "2", "--ulysses-size": "2", "--batch-size": "4"},
+    ),
+    "tp_lora_pp2_tp2": (
+        "cookbook/megatron/tp.py",
+        4,
+        "qwen3",
+        {"--pp-size": "2", "--tp-size": "2", "--cp-size": "1", "--batch-size": "4"},
+    ),
+    "tp_full_pp2_tp2": (
+        "cookbook/megatron/tp.py",
+        4,
+        "qwen3",
+        {"--pp-size": "2", "--tp-size": "2", "--cp-size": "1", "--batch-size": "4"},
+    ),
+    "tp_lora_cp2_tp2": (
+        "cookbook/megatron/tp.py",
+        4,
+        "qwen3",
+        {"--pp-size": "1", "--tp-size": "2", "--cp-size": "2", "--batch-size": "4"},
+    ),
+    "tp_full_cp2_tp2": (
+        "cookbook/megatron/tp.py",
+        4,
+        "qwen3",
+        {"--pp-size": "1", "--tp-size": "2", "--cp-size": "2", "--batch-size": "4"},
+    ),
+    "tp_moe": (
+        "cookbook/megatron/tp_moe.py",
+        4,
+        "qwen3_moe",
+        {"--dp-size": "2", "--tp-size": "2", "--pp-size": "1", "--ep-size": "2"},
+    ),
+}
+# case -> why it does not run yet (emptied as this build catches up)
+NOT_YET = {
+    "tp_lora_pp2_tp2": "not run yet",
+    "tp_full_pp2_tp2": "not run yet",
+    "tp_lora_cp2_tp2": "not run yet",
+    "tp_full_cp2_tp2": "not run yet",
+    "tp_moe": "not run yet",
+}
+FULL_PARAMETER_LINE = "model.add_adapter_to_model(args.lora.adapter_name, lora_config)"
+
+
+def _git_show(path: str) -> str:
+    return subprocess.run(
+        ["git", f"--git-dir={MIRROR}", "show", f"HEAD:{path}"],
+        capture_output=True,
+        check=True,
+        text=True,
+    ).stdout
+
+
+def sh_flags(sh_text: str) -> dict[str, str | None]:
+    """The flags the ``.sh`` file passes to its script, in order (``--flag value``, or None
+    for a switch such as ``--sequence-parallel``)."""
+    command = sh_text.replace("\\\n", " ")
+    line = next(raw for raw in command.splitlines() if ".py" in raw and "torchrun" in raw)
+    tokens = shlex.split(line)
+    tokens = tokens[next(i for i, t in enumerate(tokens) if t.endswith(".py")) + 1 :]
+    flags: dict[str, str | None] = {}
+    for i, token in enumerate(tokens):
+        if token.startswith("--"):
+            has_value = i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
+            flags[token] = tokens[i + 1] if has_value and tokens[i + 1] != "$@" else None
+    return flags
+
+
+def _full_parameter(source: str) -> str:
+    """The script with its adapter line removed (its own full-parameter variant)."""
+    lines = source.splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.strip() == FULL_PARAMETER_LINE]
+    assert len(hits) == 1, f"upstream's script no longer has the line {FULL_PARAMETER_LINE!r}"
+    del lines[hits[0]]
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("upstream_cookbooks")
+    make = runpy.run_path(str(COOKBOOK / "make_tiny_model.py"))["make_tiny_model"]
+    for family in ("qwen3", "qwen3_moe"):
+        make(root / f"tiny-{family}", hidden_size=32, family=family)
+    with open(root / "self_cognition.jsonl", "w") as f:
+        for i in range(64):
+            query, response = _ROWS[i % len(_ROWS)]
+            f.write(json.dumps({"query": query, "response": response, "tag": "en"}) + "\n")
+    return root
+
+
+def _losses(output: str, pattern: str) -> list[float]:
+    return [float(m) for m in re.findall(pattern, output)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_upstream_cookbook_runs(case, workdir):
+    if case in NOT_YET:
+        pytest.skip(NOT_YET[case])
+    script, ranks, family, changed = CASES[case]
+    source = _git_show(script)
+    if case.startswith("tp_full"):
+        source = _full_parameter(source)
+    ast.parse(source)
+    run_dir = workdir / case
+    run_dir.mkdir()
+    (run_dir / Path(script).name).write_text(source)
+    flags = sh_flags(_git_show(script.removesuffix(".py") + ".sh"))
+    output_dir = run_dir / "output"
+    flags.update(
+        {
+            "--model-id": str(workdir / f"tiny-{family}"),
+            "--dataset-id": str(workdir / "self_cognition.jsonl"),
+            "--output-dir": str(output_dir),
+            **_SIZES,
+            **changed,
+        }
+    )
+    argv = [t for k, v in flags.items() for t in ((k,) if v is None else (k, v))]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={ranks}",
+        "--standalone",
+        Path(script).name,
+        *argv,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(
+        command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900
+    )
+    output = proc.stdout + proc.stderr
+    lines = [x for x in output.splitlines() if x.strip() and "it/s]" not in x]
+    tail = "\n".join(lines[-6:])
+    print(f"\n$ {shlex.join(['torchrun', *command[3:]])}\n{tail}")
+    assert proc.returncode == 0, output[-6000:]
+    losses = _losses(output, r"metric: \{[^}]*'loss': '?([0-9.]+)")
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    last = output_dir / "last-checkpoint"
+    assert last.is_dir(), sorted(p.name for p in output_dir.iterdir())

@@ -1,0 +1,1 @@
+"""Upstream Twinkle's utilities that its scripts import (`twinkle.utils.framework.Torch`)."""
