@@ -7,7 +7,8 @@ loss=value_loss(0.2))`` + ``tf.step`` (the class's optimizer, clipped to 1.0) fr
 initial state: float32, the same kernels on the same numbers (every field value is exact in
 float32), so bit-identical. The step moves every weight (lr 1e-2 Adam), and the clip binds on
 some tokens (the old values are the critic's own, shifted by up to +-0.375 against a 0.2 clip).
-`TransformersValueModel` runs padded in one forward; `MegatronValueModel` in one spawned process
+`TransformersValueModel` runs padded in one forward, and packed (``padding_free=True``) with
+``micro_batch_size=2``; `MegatronValueModel` in one spawned process
 (megatron's global state) with ``micro_batch_size=2``, which the core then runs alike.
 ``forward_only`` gives ``tf.token_values``' rows, ``values`` on megatron's ``forward_backward``
 too.
@@ -25,7 +26,8 @@ from twinkle import DeviceMesh
 from twinkle.loss import PPOValueLoss, make_loss
 from twinkle.model import MegatronValueModel, TransformersValueModel
 from twinkle.model import optim as class_optim
-from twinkle_fn.data import pad_collate
+from twinkle.processor import unpack
+from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.losses import value_loss
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
@@ -87,14 +89,20 @@ def _train_through_the_class(model, micro_batch_size=None):
     return tf.unshard(model.state), values, old, out
 
 
-def _train_through_the_core(state, old, micro_batch_size=4):
-    """One value-loss step over micro-batches of `micro_batch_size` features. Returns the
-    weights, the loss (token sum over token count) and the values before the step."""
+def _collate(features, packed):
+    return pack(features) if packed else pad_collate(features, 0)
+
+
+def _train_through_the_core(state, old, micro_batch_size=4, packed=False):
+    """One value-loss step over micro-batches of `micro_batch_size` features (packed or
+    padded). Returns the weights, the loss (token sum over token count) and the values before
+    the step, ``[4, max_len]``."""
     feats = _core_features(_features(), old)
-    values = tf.token_values(state, pad_collate(_features(), 0))["values"]
+    whole = _collate(_features(), packed)
+    values = unpack(tf.token_values(state, whole)["values"], whole)
     grads, loss_sum, num_tokens = None, 0.0, 0
     for i in range(0, len(feats), micro_batch_size):
-        batch = pad_collate(feats[i : i + micro_batch_size], 0)
+        batch = _collate(feats[i : i + micro_batch_size], packed)
         grads, aux = tf.fwd_bwd(state, batch, accum=grads, loss=value_loss(0.2))
         loss_sum, num_tokens = loss_sum + aux["loss_sum"], num_tokens + aux["num_tokens"]
     state, _ = tf.step(state, grads)
@@ -111,23 +119,31 @@ def _check(via_class, via_core, initial):
 
 
 def _check_outputs(values, core_values, out, core_loss):
-    assert torch.equal(values["values"], core_values)  # padded: [4, max_len] as the batch
+    assert torch.equal(values["values"], core_values)  # [4, max_len]
     n = sum(x != -100 for f in _features() for x in f["labels"])
     assert values["num_tokens"] == n == out["num_tokens"]
     assert out["loss"] == pytest.approx(core_loss, rel=1e-6)
 
 
-def test_transformers_value_model_step_equals_the_core():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed_micro_batches"])
+def test_transformers_value_model_step_equals_the_core(packed):
+    """Padded in one forward; or packed (``padding_free=True``) in two micro-batches of two
+    samples, which the core then runs alike."""
+
     def model():
         m = TransformersValueModel(config=tiny_config(), mixed_precision="no", seed=0)
         m.set_optimizer("AdamW", lr=LR)
+        m.set_processor("InputProcessor", padding_free=packed)
         return m
 
+    micro = 2 if packed else None
     initial = tf.unshard(model().state)
-    via_class, values, old, out = _train_through_the_class(model())
+    via_class, values, old, out = _train_through_the_class(model(), micro_batch_size=micro)
     state = model().state
     tx = class_optim.transform(class_optim.optimizer_spec("AdamW", lr=LR), LR, 1.0)
-    via_core, core_loss, core_values = _train_through_the_core(state.replace(tx=tx), old)
+    via_core, core_loss, core_values = _train_through_the_core(
+        state.replace(tx=tx), old, micro or 4, packed
+    )
     _check(via_class, via_core, initial)
     _check_outputs(values, core_values, out, core_loss)
     assert "logps" not in out
