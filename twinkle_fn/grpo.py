@@ -35,7 +35,7 @@ from twinkle_fn.api import fwd_bwd, step, token_logps
 from twinkle_fn.data import arithmetic_dataset, pad_collate
 from twinkle_fn.distributed import rank
 from twinkle_fn.export import export_weights
-from twinkle_fn.losses import group_advantages, ppo_loss
+from twinkle_fn.losses import ClippedSurrogate, group_advantages, ppo_loss
 from twinkle_fn.losses.cross_entropy import token_logps as label_logps
 from twinkle_fn.state import TrainState
 
@@ -67,7 +67,7 @@ class GRPOConfig:
         # the clip range and beta are checked by `ppo_loss` itself, before any compute
         self.loss()
 
-    def loss(self) -> Any:
+    def loss(self) -> ClippedSurrogate:
         """The token loss of the PPO epochs (raises ``ValueError`` for a bad clip or beta)."""
         return ppo_loss(self.epsilon, self.epsilon_high, beta=self.beta)
 

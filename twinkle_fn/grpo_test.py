@@ -10,7 +10,6 @@ import twinkle_fn as tf
 from twinkle_fn import grpo
 from twinkle_fn.data import char_tokenizer
 from twinkle_fn.testing import tiny_config
-from twinkle_fn.testing_dist import spawn
 
 
 def test_the_reward_is_the_digit_fraction():
@@ -79,44 +78,3 @@ def test_an_iteration_updates_the_sampler_to_the_trainers_weights_and_reports():
     assert record["step"] == 1 and 0.0 <= record["reward"] <= 1.0
     assert record["tokens"] > 0 and record["train_tokens_per_s"] > 0
     assert record["sync_gb_per_s"] > 0
-
-
-def _two_iterations(mesh_sizes):
-    """Two iterations (KL on) on `mesh_sizes`, float64 throughout (trainer, stream, sampler):
-    each step's reward and loss, and the final params."""
-    mesh = tf.Mesh(**mesh_sizes)
-    tokenizer = char_tokenizer()
-    config = tiny_config("qwen2", vocab_size=len(tokenizer))
-    model = tf.models.from_hf_config(config, seed=0)
-    model.module.to(torch.float64)
-    state = tf.init(model, tf.optim.adamw(1e-2), mesh)
-    sampler = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    grpo.sync(sampler, state, torch.float64)
-    rl = grpo.GRPOConfig(prompts_per_step=2, group_size=4, max_new_tokens=3, beta=0.04)
-    prompts = grpo.task_prompts(tokenizer, 4, seed=0)
-    loop = grpo.iterations(
-        state,
-        sampler,
-        tokenizer,
-        prompts,
-        rl,
-        2,
-        reference=grpo.reference_of(sampler),
-        sync_dtype=torch.float64,
-    )
-    steps = list(loop)
-    return [(r["reward"], r["loss"]) for _, r in steps], tf.unshard(steps[-1][0])
-
-
-def test_data_parallel_ranks_sample_the_same_batch_and_train_as_one_process():
-    """Every rank draws the whole batch from the same seed and trains its half: the rewards
-    (the same samples) equal one process's; losses and params after 4 AdamW updates agree to
-    the tolerances of `fsdp_test` (float64: the same sums in another order)."""
-    want_records, want_params = _two_iterations({})
-    for records, params in spawn(_two_iterations, 2, {"dp": 2}):
-        assert [r for r, _ in records] == [r for r, _ in want_records]
-        assert [loss for _, loss in records] == pytest.approx(
-            [loss for _, loss in want_records], rel=1e-11
-        )
-        for name, p in params.items():
-            torch.testing.assert_close(p, want_params[name], rtol=1e-9, atol=1e-11, msg=name)

@@ -6,7 +6,8 @@ GRPO is `tf.losses.ppo_loss` with every option on (asymmetric clip, k3 KL to per
 weights); DPO reads per-token ``ref_logps`` on 4 interleaved pairs per step. One two-rank spawn
 runs dp2, fsdp2, tp2 and tp2+sp, each on packed and on padded batches; one four-rank spawn runs
 HSDP (dp2 x fsdp2: one pair per data rank). The one-process reference trains packed batches, so
-padded runs also check that padding changes nothing.
+padded runs also check that padding changes nothing. The two-rank spawn also runs the whole GRPO
+loop (`twinkle_fn.grpo.iterations`) on dp2: every rank samples the same batch and trains its half.
 
 Tolerances (float64 throughout, those of `fsdp_test`): the ranks sum the same token terms in
 another order, so losses agree to 1e-11 relative; parameters after 2 AdamW steps to 1e-9
@@ -16,9 +17,11 @@ relative errors of that order).
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import twinkle_fn as tf
-from twinkle_fn.data import pack, pad_collate
+from twinkle_fn import grpo
+from twinkle_fn.data import char_tokenizer, pack, pad_collate
 from twinkle_fn.distributed import rank
 from twinkle_fn.testing import random_features, tiny_config, with_rl_fields
 from twinkle_fn.testing_dist import spawn
@@ -59,13 +62,38 @@ def _train(mesh_sizes, loss, layout):
     return infos, tf.unshard(state)
 
 
-def _every_case(meshes):
-    return {
+def _loop(mesh_sizes):
+    """Two GRPO loop iterations (KL on) on `mesh_sizes`, float64 throughout (trainer, stream,
+    sampler): each step's reward and loss, and the final params."""
+    mesh = tf.Mesh(**mesh_sizes)
+    tokenizer = char_tokenizer()
+    config = tiny_config("qwen2", vocab_size=len(tokenizer))
+    model = tf.models.from_hf_config(config, seed=0, device="cpu")
+    model.module.to(torch.float64)
+    state = tf.init(model, tf.optim.adamw(1e-2), mesh)
+    sampler = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    grpo.sync(sampler, state, torch.float64)
+    rl = grpo.GRPOConfig(prompts_per_step=2, group_size=4, max_new_tokens=3, beta=0.04)
+    prompts = grpo.task_prompts(tokenizer, 4, seed=0)
+    reference = grpo.reference_of(sampler)
+    steps = list(
+        grpo.iterations(
+            state, sampler, tokenizer, prompts, rl, 2, reference=reference, sync_dtype=torch.float64
+        )
+    )
+    return [(r["reward"], r["loss"]) for _, r in steps], tf.unshard(steps[-1][0])
+
+
+def _every_case(meshes, loop=False):
+    out = {
         (loss, name, layout): _train(sizes, loss, layout)
         for name, sizes in meshes.items()
         for loss in LOSSES
         for layout in LAYOUTS
     }
+    if loop:
+        out["loop", "dp2"] = _loop({"dp": 2})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +103,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return spawn(_every_case, 2, TWO_RANKS, timeout_s=300)
+    return spawn(_every_case, 2, TWO_RANKS, True, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +138,18 @@ def test_a_two_rank_mesh_matches_one_process(reference, two_ranks, loss, mesh, l
 def test_hsdp_on_four_ranks_matches_one_process(reference, four_ranks, loss, layout):
     for per_rank in four_ranks:
         _assert_same(per_rank[loss, "hsdp:dp2xfsdp2", layout], reference[loss])
+
+
+def test_the_grpo_loop_on_dp2_samples_the_same_batch_and_trains_as_one_process(two_ranks):
+    """Every rank draws the whole batch from the same seed and trains its half: the rewards
+    (the same samples) equal one process's; losses and params after 4 AdamW updates agree to
+    the tolerances above."""
+    want_records, want_params = _loop({})
+    for per_rank in two_ranks:
+        records, params = per_rank["loop", "dp2"]
+        assert [r for r, _ in records] == [r for r, _ in want_records]
+        assert [loss for _, loss in records] == pytest.approx(
+            [loss for _, loss in want_records], rel=LOSS_RTOL
+        )
+        for name, p in params.items():
+            torch.testing.assert_close(p, want_params[name], rtol=PARAM_RTOL, atol=PARAM_ATOL)
