@@ -81,11 +81,33 @@ def _run(backend: str, sizes: dict, adapter_dir: str) -> dict:
     return out
 
 
+def _megatron_refusal(sizes: dict, options: dict) -> str:
+    """The megatron backend's error for expert LoRA it cannot build, raised at ``tf.init``."""
+    from twinkle_fn.backends.megatron import parallel
+
+    model = tf.models.from_hf_config(
+        tiny_config(FAMILY), seed=0, backend="megatron", options=options
+    )
+    try:
+        tf.init(tf.lora.add_lora(model, LORA), _optimizer("megatron"), tf.Mesh(**sizes))
+    except ValueError as e:
+        return str(e)
+    finally:
+        parallel.destroy()
+    return "accepted"
+
+
 def _runs(root: str, two: bool) -> dict:
-    return {
+    out = {
         backend: _run(backend, MESHES[backend] if two else {}, f"{root}/{backend}-{int(two)}")
         for backend in MESHES
     }
+    if two:
+        etp = {"tp": 2, "etp": 2, "sequence_parallel": True}
+        out["refused"] = _megatron_refusal(etp, {})
+    else:
+        out["refused"] = _megatron_refusal({}, {"grouped_experts": False})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +193,11 @@ def test_two_ranks_train_the_adapter_like_one_process(runs, backend):
         assert all(torch.equal(t, ref["at_init"][k]) for k, t in run["at_init"].items())
         for k, t in run["adapter"].items():
             torch.testing.assert_close(t, ref["adapter"][k], rtol=0, atol=PARAM_ATOL, msg=k)
+
+
+def test_megatron_refuses_expert_lora_it_cannot_build_with_the_fix(runs):
+    _, by_mesh, two = runs
+    assert "needs twinkle's grouped experts" in by_mesh[False]["refused"]
+    assert "target_parameters=[]" in by_mesh[False]["refused"]
+    for per_rank in two:
+        assert "expert tensor parallelism (etp > 1) is not supported" in per_rank["refused"]
