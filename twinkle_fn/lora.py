@@ -281,8 +281,8 @@ def resolve_moe_targets(config: LoraConfig, hf_module: torch.nn.Module) -> LoraC
 
     On an MoE model ``target_modules="all-linear"`` becomes the leaf names of every
     ``nn.Linear`` but the output embedding and the gates, and, unless `config` sets them
-    (``[]``: no experts), ``target_parameters`` both fused expert tensors (`MoeTargets.layer_paths`). Explicit
-    ``target_parameters`` must each select expert tensors only (peft's matching: the full name
+    (``[]``: no experts), ``target_parameters`` both fused expert tensors
+    (`MoeTargets.layer_paths`). Explicit ``target_parameters`` must each select expert tensors only (peft's matching: the full name
     or a ``.``-suffix of it). Dense models are returned unchanged.
 
     Raises ``ValueError`` for ``target_parameters`` on a dense model or selecting no expert

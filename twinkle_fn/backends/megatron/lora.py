@@ -39,8 +39,9 @@ The HF / megatron naming and the fused layouts come from the bridge's rules and 
 ``lora_B`` inserted (``decoder.layers.0.self_attention.linear_qkv.lora_A.weight``).
 
 Not supported (refused with an error naming the field): routers and shared-expert gates, expert
-LoRA under expert tensor parallelism (etp > 1) or on experts that run megatron's loop, DoRA, trained biases, ``modules_to_save``,
-per-module ``rank_pattern`` / ``alpha_pattern``, initialisations that rewrite the base weights.
+LoRA under expert tensor parallelism (etp > 1) or on experts that run megatron's loop, DoRA,
+trained biases, ``modules_to_save``, per-module ``rank_pattern`` / ``alpha_pattern``,
+initialisations that rewrite the base weights.
 Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the adapter.
 """
 
@@ -182,9 +183,10 @@ def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) 
     Every module of `hf_module` that peft's matcher selects must be one of the linears of
     `LINEARS` (or `SHARED`), and a fused linear's parts are selected all or none; routed experts
     come from ``target_parameters`` (`twinkle_fn.lora.resolve_moe_targets`). Raises
-    ``ValueError`` for what `lora_config` and `resolve_moe_targets` refuse, targets that match nothing (naming the supported modules), a
-    selected module that is not one of those linears (the lm_head, an embedding, an MoE
-    expert or router...), or part of a fused linear (naming the missing parts).
+    ``ValueError`` for what `lora_config` and `resolve_moe_targets` refuse, targets that match
+    nothing (naming the supported modules), a selected module that is not one of those
+    linears (the lm_head, an embedding, a router...), or part of a fused linear (naming the
+    missing parts).
     """
     config = resolve_moe_targets(lora_config(config), hf_module)
     hf_config = hf_module.config
