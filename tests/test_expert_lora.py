@@ -1,5 +1,5 @@
 """LoRA on routed experts, both backends: trained on one process and on two ranks (megatron
-dp2·ep2, transformers fsdp2), exported as a peft adapter that ``PeftModel.from_pretrained``
+dp2·ep2 and pp2, transformers fsdp2), exported as a peft adapter that ``PeftModel.from_pretrained``
 loads onto the HF model with the trainer's log-probs.
 
 Qwen2-MoE covers every part at once: attention, the shared expert (ordinary linears), the fused
@@ -46,12 +46,12 @@ def _optimizer(backend: str):
     return tf.optim.megatron_optimizer(LR) if backend == "megatron" else tf.optim.adamw(LR)
 
 
-def _run(backend: str, sizes: dict, adapter_dir: str) -> dict:
+def _run(backend: str, sizes: dict, adapter_dir: str, options: dict | None = None) -> dict:
     """`STEPS` steps of the all-linear adapter on this rank's slice of each batch; the adapter
     (peft keys) at init and after, the losses and norms, the log-probs after; saved."""
     mesh = tf.Mesh(**sizes)
     torch.manual_seed(1)  # the transformers backend's adapter init draws from it
-    model = tf.models.from_hf_config(tiny_config(FAMILY), seed=0, backend=backend)
+    model = tf.models.from_hf_config(tiny_config(FAMILY), seed=0, backend=backend, options=options)
     state = tf.init(tf.lora.add_lora(model, LORA), _optimizer(backend), mesh)
     # cloned: on one process the transformers backend's tensors are the live parameters
     at_init = {k: t.clone() for k, t in tf.lora.adapter_state_dict(state).items()}
@@ -103,6 +103,8 @@ def _runs(root: str, two: bool) -> dict:
         for backend in MESHES
     }
     if two:
+        pp2 = _run("megatron", {"pp": 2}, f"{root}/megatron-pp2", {"num_micro_batches": 2})
+        out["megatron-pp2"] = pp2
         etp = {"tp": 2, "etp": 2, "sequence_parallel": True}
         out["refused"] = _megatron_refusal(etp, {})
     else:
@@ -201,3 +203,26 @@ def test_megatron_refuses_expert_lora_it_cannot_build_with_the_fix(runs):
     assert "target_parameters=[]" in by_mesh[False]["refused"]
     for per_rank in two:
         assert "expert tensor parallelism (etp > 1) is not supported" in per_rank["refused"]
+
+
+def test_megatron_pp2_trains_exports_and_merges_the_experts_like_one_process(runs):
+    """Each pipeline stage holds one layer's experts: the adapter file, the streamed adapter and
+    the merged weights come out of both stages."""
+    root, by_mesh, two = runs
+    ref = by_mesh[False]["megatron"]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config(FAMILY), dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(hf, root / "megatron-pp2").eval()
+    for per_rank in two:
+        run = per_rank["megatron-pp2"]
+        torch.testing.assert_close(
+            hf_logps(peft_model, _batch(7)), run["logps"], rtol=0, atol=LOGPS_ATOL
+        )
+        assert run["adapter"].keys() == ref["adapter"].keys()
+        assert run["exported"]["separate"].keys() == ref["adapter"].keys()
+        assert run["exported"]["merged"].keys() == ref["exported"]["merged"].keys()
+        for (loss, norm), (ref_loss, ref_norm) in zip(run["infos"], ref["infos"], strict=True):
+            assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL)
+            assert norm == pytest.approx(ref_norm, rel=LOSS_RTOL)
+        for k, t in run["adapter"].items():
+            torch.testing.assert_close(t, ref["adapter"][k], rtol=0, atol=PARAM_ATOL, msg=k)
