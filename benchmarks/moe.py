@@ -12,7 +12,11 @@ download) on the same ``[batch, seq]`` random tokens, bf16 compute, AdamW (lr 1e
 - ``twinkle_megatron_grouped``: the megatron backend with its default experts, two grouped
   GEMMs per layer (`twinkle_fn.backends.megatron.grouped_experts`);
 - ``*_compiled``: the twinkle rows with option ``compile_layers`` (GPU only; on megatron the
-  MoE dispatch stays eager, `twinkle_fn.backends.megatron.layer_compile`).
+  MoE dispatch stays eager, `twinkle_fn.backends.megatron.layer_compile`);
+- ``*_lora`` rows: the same with a LoRA adapter (`LORA`: rank 16, ``"all-linear"``, which on an
+  MoE model adapts attention and every routed expert, see `twinkle_fn.lora`), only the adapter
+  training; ``hf_loop_lora`` is peft on the plain loop (``get_peft_model`` with the same targets,
+  the experts through ``target_parameters``).
 
 Each row warms up, then takes the median of timed steps. It prints tokens/s, MFU (formula
 printed: active parameters, i.e. the top-k experts a token visits), CUDA peak memory (over the
@@ -32,7 +36,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from benchmarks import throughput as tp
 from twinkle_fn import backends
@@ -82,8 +86,12 @@ ROWS = (
     "twinkle_megatron_sequential",
     "twinkle_megatron_grouped",
     "twinkle_megatron_grouped_compiled",
+    "hf_loop_lora",
+    "twinkle_fsdp_lora",
+    "twinkle_megatron_grouped_lora",
 )
-BASELINES = ("hf_loop", "hf_compiled")
+BASELINES = ("hf_loop", "hf_compiled", "hf_loop_lora")
+LORA = MappingProxyType({"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
 MFU_FORMULA = (
     "MFU = tokens/s x (6 x active matmul params per token (attention, router, top-k experts, "
     "lm_head) + 6 x layers x heads x head_dim x seq) / peak"
@@ -205,7 +213,7 @@ def _hf(compiled: bool) -> Callable[[tp.Setup], contextlib.AbstractContextManage
 
 
 def _twinkle(
-    backend: str, options: dict[str, Any] | None = None
+    backend: str, options: dict[str, Any] | None = None, lora: bool = False
 ) -> Callable[[tp.Setup], contextlib.AbstractContextManager[tp.Step]]:
     @contextlib.contextmanager
     def build(setup: tp.Setup) -> Iterator[tp.Step]:
@@ -213,9 +221,40 @@ def _twinkle(
             tp.megatron_world(setup.device) if backend == "megatron" else contextlib.nullcontext()
         )
         with world:
-            yield tp._twinkle_step(setup, backend, options)
+            yield tp._twinkle_step(setup, backend, options, lora=dict(LORA) if lora else None)
 
     return build
+
+
+@contextlib.contextmanager
+def _hf_lora(setup: tp.Setup) -> Iterator[tp.Step]:
+    """peft on the plain loop: `LORA`'s targets resolved as twinkle resolves them (attention
+    linears, the fused experts through ``target_parameters``), only the adapter training."""
+    from peft import get_peft_model
+
+    from twinkle_fn.lora import lora_config, resolve_moe_targets
+
+    device, ids = setup.device, setup.input_ids
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            setup.config, dtype=torch.float32, attn_implementation="sdpa"
+        ).train()
+    model = get_peft_model(model, resolve_moe_targets(lora_config(dict(LORA)), model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(params, lr=tp._LR, weight_decay=tp._WEIGHT_DECAY, **fused)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tp._CLIP, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    yield step
 
 
 _ROW_BUILDERS = MappingProxyType(
@@ -227,6 +266,9 @@ _ROW_BUILDERS = MappingProxyType(
         "twinkle_megatron_sequential": _twinkle("megatron", {"grouped_experts": False}),
         "twinkle_megatron_grouped": _twinkle("megatron"),
         "twinkle_megatron_grouped_compiled": _twinkle("megatron", {"compile_layers": True}),
+        "hf_loop_lora": _hf_lora,
+        "twinkle_fsdp_lora": _twinkle("transformers", lora=True),
+        "twinkle_megatron_grouped_lora": _twinkle("megatron", lora=True),
     }
 )
 

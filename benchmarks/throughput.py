@@ -528,9 +528,10 @@ def _twinkle_step(
     options: dict[str, Any] | None = None,
     activation_checkpointing: bool = False,
     batch: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> Step:
     """``tf.fwd_bwd`` + ``tf.step`` on `backend`; `batch` (a host batch) defaults to the
-    padded full rows of ``setup.input_ids``."""
+    padded full rows of ``setup.input_ids``; `lora` (``LoraConfig`` fields) trains an adapter."""
     # The megatron backend builds its own model and reads the HF module's weights once: the
     # module stays on the CPU (the model's default there), or its float32 copy of every weight
     # (4 bytes a parameter) would sit on the GPU through the row, counted in its peak.
@@ -545,6 +546,8 @@ def _twinkle_step(
             options=options,
             activation_checkpointing=activation_checkpointing,
         )
+    if lora is not None:
+        model = tf.lora.add_lora(model, lora)
     holder = [tf.init(model, twinkle_optimizer(backend))]
     if batch is None:
         batch = host_batch(padded_batch(setup.input_ids.cpu()), setup.device)

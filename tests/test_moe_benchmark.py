@@ -12,6 +12,7 @@ from twinkle_fn import backends
 
 _TINY = ["--shape", "tiny", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1"]
 _MEGATRON = ("twinkle_megatron_sequential", "twinkle_megatron_grouped")
+_LORA = ("hf_loop_lora", "twinkle_fsdp_lora", "twinkle_megatron_grouped_lora")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def test_cpu_run_reports_every_row_and_writes_the_same_json(cpu_run):
     assert result["rows"]["hf_compiled"]["status"] == "skipped"
 
 
-@pytest.mark.parametrize("name", ["hf_loop", "twinkle_fsdp", *_MEGATRON])
+@pytest.mark.parametrize("name", ["hf_loop", "twinkle_fsdp", *_MEGATRON, *_LORA])
 def test_cpu_rows_train(cpu_run, name):
     """Random init: every row's first loss is about ln(vocab) (0.1: init noise)."""
     if "megatron" in name and "megatron" not in backends.names():
@@ -48,6 +49,20 @@ def test_grouped_and_looped_experts_give_the_same_losses(cpu_run):
     looped, grouped = (rows[n] for n in _MEGATRON)
     assert grouped["first_loss"] == pytest.approx(looped["first_loss"], rel=1e-3)
     assert grouped["last_loss"] == pytest.approx(looped["last_loss"], rel=1e-3)
+
+
+def test_lora_rows_start_from_the_full_models_loss(cpu_run):
+    """The adapters start at B = 0: each LoRA row's first loss is its full row's (same weights,
+    same bf16 step; 1e-3 relative)."""
+    rows = cpu_run[0]["rows"]
+    pairs = [("hf_loop_lora", "hf_loop"), ("twinkle_fsdp_lora", "twinkle_fsdp")]
+    if rows["twinkle_megatron_grouped_lora"]["status"] == "ok":
+        pairs.append(("twinkle_megatron_grouped_lora", "twinkle_megatron_grouped"))
+    for lora, full in pairs:
+        assert rows[lora]["first_loss"] == pytest.approx(rows[full]["first_loss"], rel=1e-3)
+        assert rows[lora]["x_hf_loop_lora"] == pytest.approx(
+            rows[lora]["tokens_per_s"] / rows["hf_loop_lora"]["tokens_per_s"]
+        )
 
 
 def test_active_params_count_the_top_k_experts_of_the_hf_model():

@@ -12,14 +12,24 @@ A module may hold several named adapters where the backend supports it (the tran
 backend does; megatron trains one per model): one is active at a time, and `set_adapter`
 selects the one a following ``tf.init`` builds its state over.
 
-The helpers below the front (`lora_config`, `check_adapters_only`, `write_adapter`, `write_adapter_into`) are what
-every backend's LoRA shares.
+On a mixture-of-experts model the routed experts take adapters too, named as peft 0.17+ names
+them on transformers 5 (which fuses each layer's experts into ``mlp.experts.gate_up_proj``
+``[experts, 2 * ffn, hidden]`` and ``mlp.experts.down_proj`` ``[experts, hidden, ffn]``):
+``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``, one rank-``r``
+adapter per expert and tensor (peft's ``ParamWrapper``). ``"all-linear"`` on an MoE model adapts
+every linear (attention, dense and shared-expert MLPs) and both expert tensors, as upstream
+Twinkle does; routers and shared-expert gates are never adapted (`resolve_moe_targets`).
+
+The helpers below the front (`lora_config`, `check_adapters_only`, `resolve_moe_targets`,
+`write_adapter`, `write_adapter_into`) are what every backend's LoRA shares.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from peft import LoraConfig
+from peft.tuners.tuners_utils import check_target_module_exists
 from safetensors.torch import save_file
 
 from twinkle_fn import backends
@@ -43,6 +54,11 @@ PEFT_PREFIX = "base_model.model."
 # Initialisations that leave the base weights untouched (PiSSA, OLoRA, LoftQ... rewrite them,
 # so an exported adapter would no longer apply to the original base model).
 _INITS = (True, False, "gaussian")
+ALL_LINEAR = "all-linear"
+# transformers 5's fused expert tensors ([experts, out, in]), in the order of megatron's
+# linear_fc1 / linear_fc2.
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+_IN_LAYER = re.compile(r"\.layers\.\d+\.(.+)$")
 
 
 def add_lora(
@@ -218,3 +234,105 @@ def _write_adapter(
     config.save_pretrained(directory)
     cpu = {k: v.detach().cpu() for k, v in weights.items()}
     save_file(cpu, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTargets:
+    """The adaptable and the refused parts of an HF MoE model's layers.
+
+    `experts`: full parameter names of the fused expert tensors (`EXPERT_TENSORS`, 3-d), in
+    model order; `gates`: full module names of the routers and shared-expert gates (a linear
+    whose output is one logit per expert, or one per token), which LoRA never adapts.
+    """
+
+    experts: tuple[str, ...]
+    gates: tuple[str, ...]
+
+    def layer_paths(self) -> list[str]:
+        """The expert tensors' paths inside a decoder layer (``mlp.experts.gate_up_proj``),
+        sorted: what `target_parameters` names."""
+        return sorted({m[1] for n in self.experts if (m := _IN_LAYER.search(n))})
+
+
+def moe_targets(hf_module: torch.nn.Module) -> MoeTargets:
+    """Where `hf_module` (a transformers 5 causal LM, any device including meta) keeps its
+    fused expert tensors and its gates; both empty for a dense model."""
+    experts, gates = [], []
+    for name, module in hf_module.named_modules():
+        owned = dict(module.named_parameters(recurse=False))
+        fused = [f"{name}.{p}" for p in EXPERT_TENSORS if p in owned and owned[p].dim() == 3]
+        if not fused:
+            continue
+        experts += fused
+        num_experts = owned[EXPERT_TENSORS[0]].shape[0]
+        block = name.rpartition(".")[0]
+        for child, sub in hf_module.get_submodule(block).named_children():
+            weight = getattr(sub, "weight", None)
+            is_gate = (
+                weight is not None and weight.dim() == 2 and weight.shape[0] in (num_experts, 1)
+            )
+            if sub is not module and is_gate:
+                gates.append(f"{block}.{child}")
+    return MoeTargets(tuple(experts), tuple(gates))
+
+
+def resolve_moe_targets(config: LoraConfig, hf_module: torch.nn.Module) -> LoraConfig:
+    """`config` (a private copy, changed in place and returned) with its MoE targets resolved.
+
+    On an MoE model ``target_modules="all-linear"`` becomes the leaf names of every
+    ``nn.Linear`` but the output embedding and the gates, and, unless `config` sets them
+    (``[]``: no experts), ``target_parameters`` both fused expert tensors
+    (`MoeTargets.layer_paths`). Explicit ``target_parameters`` must each select expert tensors only (peft's matching: the full name
+    or a ``.``-suffix of it). Dense models are returned unchanged.
+
+    Raises ``ValueError`` for ``target_parameters`` on a dense model or selecting no expert
+    tensor or anything else (a router's weight), target modules that select a router or
+    shared-expert gate (a gate decides which experts run; both backends keep it frozen), and
+    ``lora_dropout > 0`` with expert targets (peft's expert adapters take no dropout).
+    """
+    targets = moe_targets(hf_module)
+    chosen = list(config.target_parameters or ())
+    if not targets.experts:
+        if chosen:
+            raise ValueError(
+                f"LoraConfig.target_parameters={chosen!r} adapts raw parameters, which twinkle "
+                "supports only for an MoE model's fused experts; this model is dense: use "
+                "target_modules"
+            )
+        return config
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        head = hf_module.get_output_embeddings()
+        config.target_modules = {
+            name.rsplit(".", 1)[-1]
+            for name, m in hf_module.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head and name not in targets.gates
+        }
+        if config.target_parameters is None:
+            chosen = targets.layer_paths()
+    if config.target_modules is not None:
+        gated = [g for g in targets.gates if check_target_module_exists(config, g)]
+        if gated:
+            raise ValueError(
+                f"target_modules={config.target_modules!r} selects {gated[:2]}, a router or "
+                "shared-expert gate: it decides which experts run, so twinkle keeps it frozen "
+                "on both backends; leave it out (e.g. exclude_modules or 'all-linear', which "
+                "skips gates)"
+            )
+    params = [n for n, _ in hf_module.named_parameters()]
+    for entry in chosen:
+        hits = [n for n in params if n == entry or n.endswith(f".{entry}")]
+        others = [n for n in hits if n not in targets.experts]
+        if not hits or others:
+            what = f"selects {others[:2]}, which are not" if others else "selects none of"
+            raise ValueError(
+                f"LoraConfig.target_parameters entry {entry!r} {what} the fused expert tensors "
+                f"(routers are never adapted); name them as {targets.layer_paths()}"
+            )
+    if chosen and config.lora_dropout:
+        raise ValueError(
+            f"LoraConfig.lora_dropout={config.lora_dropout} with expert targets "
+            f"{chosen}: peft's expert adapters (ParamWrapper) take no dropout; set "
+            "lora_dropout=0 or leave the experts out (target_parameters=[])"
+        )
+    config.target_parameters = chosen or None
+    return config

@@ -29,7 +29,12 @@ from torch import Tensor
 
 from twinkle_fn.backends.buckets import Bucket, buckets
 from twinkle_fn.backends.megatron.bridge import _join, _layout, _slots, join_shards
-from twinkle_fn.backends.megatron.lora import LINEARS, _hf_modules
+from twinkle_fn.backends.megatron.lora import (
+    _hf_modules,
+    expert_factor_name,
+    expert_factors_to_peft,
+    layer_linears,
+)
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
 from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
 from twinkle_fn.backends.megatron.weights import settle
@@ -135,14 +140,23 @@ def _weights(placement: MegatronPlacement, stage: int, dtype: torch.dtype) -> Na
 
 
 def _local(placement: MegatronPlacement) -> Callable[[str], Tensor]:
-    """This rank's tensor of a megatron name; a LoRA-wrapped linear's weight with its adapter's
-    update merged in (float32)."""
+    """This rank's tensor of a megatron name; a LoRA-wrapped linear's or a routed expert's
+    weight with its adapter's update merged in (float32)."""
     params = dict(placement.module.named_parameters())
     modules = dict(placement.module.named_modules())
 
     def get(name: str) -> Tensor:
         if name in params:
-            return params[name].detach()
+            base = params[name].detach()
+            experts, _, rest = name.partition(".local_experts.")  # rest: "3.linear_fc1.weight"
+            if not rest.endswith(".weight"):
+                return base
+            j, part, _ = rest.split(".")
+            lora = modules.get(f"{experts}.lora_{part.removeprefix('linear_')}")
+            if lora is None:
+                return base
+            update = lora.lora_B[int(j)].detach().float() @ lora.lora_A[int(j)].detach().float()
+            return base.float() + lora.scaling * update
         path, leaf = name.rsplit(".", 1)
         layer = modules.get(path)
         if not isinstance(layer, LoraParallelLinear):
@@ -157,18 +171,20 @@ def _local(placement: MegatronPlacement) -> Callable[[str], Tensor]:
 
 
 def _adapter(placement: MegatronPlacement, stage: int, dtype: torch.dtype) -> Named:
-    """Stage `stage`'s adapter factors, whole, with peft's file names (collectives over tp)."""
+    """Stage `stage`'s adapter factors, whole, with peft's file names (collectives over tp, and
+    over ep for the routed experts')."""
     plan, config = placement.lora, placement.hf_config
     assert plan is not None  # only called for a model training adapters
     per_stage = config.num_hidden_layers // placement.mesh.pp
     params = dict(placement.module.named_parameters())
     tp = parallel_state.get_tensor_model_parallel_group()
+    rules = layer_linears(config)
     for layer, keys in sorted(plan.layers.items()):
         owner, local = divmod(layer, per_stage)
         if owner != stage:
             continue
         for key in keys:
-            rule = LINEARS[key]
+            rule = rules[layer][key]
             prefix = f"decoder.layers.{local}.{key}."
             a, b = (params[prefix + f"lora_{f}.weight"].detach().to(dtype) for f in "AB")
             modules = _hf_modules(rule, layer)
@@ -184,3 +200,15 @@ def _adapter(placement: MegatronPlacement, stage: int, dtype: torch.dtype) -> Na
             for name, tensor in pairs:
                 # Own storage for each: the q/k/v parts are views, A is shared by them.
                 yield PEFT_PREFIX + name, tensor.clone()
+    ep = parallel_state.get_expert_model_parallel_group()
+    for layer, parts in sorted(plan.experts.items()):
+        owner, local = divmod(layer, per_stage)
+        if owner != stage:
+            continue
+        for part in parts:
+            prefix = expert_factor_name(local, part) + "."
+            a, b = (
+                torch.cat(_gather(params[prefix + f"lora_{f}"].detach().to(dtype), ep))
+                for f in "AB"
+            )
+            yield from expert_factors_to_peft(plan, layer, part, a, b)

@@ -8,7 +8,8 @@ instead of a Python loop of ``2 * num_local_experts`` matmuls.
 
 `grouped_linear` stacks the experts' weights inside its forward and again inside its backward,
 so the stacked copy is never saved for backward (saving it would double expert weight memory
-per layer). Expert linears communicate nothing inside the MLP (megatron's
+per layer). Expert LoRA (`twinkle_fn.backends.megatron.lora_linear.ExpertLora`, registered as
+the submodules ``lora_fc1`` / ``lora_fc2``) adds its update to the grouped GEMM's output. Expert linears communicate nothing inside the MLP (megatron's
 ``explicit_expert_comm``: the token dispatcher gathers and reduces over the expert
 tensor-parallel group), so each rank multiplies by its own shard of each expert, as
 ``SequentialMLP`` does.
@@ -141,9 +142,16 @@ class GroupedSequentialMLP(SequentialMLP):
         offs = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        h = grouped_linear(x, offs, fc1)  # [tokens, (2 *) ffn / etp]
-        h = self._activate(h, probs)
-        return grouped_linear(h, offs, fc2), None  # [tokens, hidden]: partial sums under etp
+        h = self._with_lora("lora_fc1", grouped_linear(x, offs, fc1), x, offs)
+        h = self._activate(h, probs)  # [tokens, (2 *) ffn / etp]
+        out = self._with_lora("lora_fc2", grouped_linear(h, offs, fc2), h, offs)
+        return out, None  # [tokens, hidden]: partial sums under etp
+
+    def _with_lora(self, name: str, y: Tensor, x: Tensor, offs: Tensor) -> Tensor:
+        lora = self._modules.get(name)
+        if lora is None or not lora.enabled:
+            return y
+        return y + lora(x, offs)
 
     def _activate(self, h: Tensor, probs: Tensor) -> Tensor:
         """``MLP.forward``'s activation scaled by `probs` ``[tokens]``, for a bias-free expert."""

@@ -16,7 +16,17 @@ self_attention.linear_qkv      q_proj, k_proj, v_proj (fused)   column: B split 
 self_attention.linear_proj     o_proj                           row: A split like the base
 mlp.linear_fc1                 gate_proj, up_proj (fused)       column
 mlp.linear_fc2                 down_proj                        row
+mlp.shared_experts.linear_fc1  shared expert's gate/up (fused)  column
+mlp.shared_experts.linear_fc2  shared expert's down_proj        row
+mlp.experts (fc1, fc2)         experts.gate_up_proj, down_proj  whole per expert (etp 1), over ep
 =============================  ===============================  ==============================
+
+Routed experts are targeted as peft 0.17+ targets transformers 5's fused experts,
+``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` (``"all-linear"``
+includes both, see `twinkle_fn.lora.resolve_moe_targets`): one adapter per expert and linear
+(`ExpertLora`, added by `GroupedSequentialMLP`'s grouped GEMMs), exported in peft's
+``ParamWrapper`` layout (``lora_A`` ``[r * experts, in]`` expert-major, ``lora_B``
+``[out, r * experts]`` rank-major), gathered over the expert-parallel ranks.
 
 A fused linear gets one adapter: one ``A`` shared by its parts and one ``B`` laid out like the
 base weight (q/k/v rows interleaved per query group, ``[gate; up]`` per tp rank). A config that
@@ -28,9 +38,10 @@ The HF / megatron naming and the fused layouts come from the bridge's rules and 
 (`twinkle_fn.backends.megatron.bridge`); parameter names are megatron's with ``base_layer``, ``lora_A``,
 ``lora_B`` inserted (``decoder.layers.0.self_attention.linear_qkv.lora_A.weight``).
 
-Not supported (refused with an error naming the field): MoE experts and routers (on an MoE
-layer only the attention linears take adapters), DoRA, trained biases, ``modules_to_save``,
-per-module ``rank_pattern`` / ``alpha_pattern``, initialisations that rewrite the base weights.
+Not supported (refused with an error naming the field): routers and shared-expert gates, expert
+LoRA under expert tensor parallelism (etp > 1) or on experts that run megatron's loop, DoRA,
+trained biases, ``modules_to_save``, per-module ``rank_pattern`` / ``alpha_pattern``,
+initialisations that rewrite the base weights.
 Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the adapter.
 """
 
@@ -51,8 +62,10 @@ from torch import Tensor
 
 from twinkle_fn import lora as base_lora
 from twinkle_fn.backends.megatron.bridge import MLP, O_PROJ, QKV, Rule, join_shards, moe_layers
-from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
-from twinkle_fn.lora import PEFT_PREFIX
+from twinkle_fn.backends.megatron.bridge_rules import megatron_family, moe_rules
+from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP, grouped_supported
+from twinkle_fn.backends.megatron.lora_linear import ExpertLora, LoraParallelLinear
+from twinkle_fn.lora import ALL_LINEAR, EXPERT_TENSORS, PEFT_PREFIX, resolve_moe_targets
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
 
@@ -63,14 +76,18 @@ LINEARS: dict[str, Rule] = {
     "mlp.linear_fc1": MLP[0],
     "mlp.linear_fc2": MLP[1],
 }
-ALL_LINEAR = "all-linear"
+# An MoE layer's shared-expert linears take the slots of the dense MLP's (seeds, export order).
+SHARED = {"mlp.shared_experts.linear_fc1": 2, "mlp.shared_experts.linear_fc2": 3}
+# The routed experts' linears, in the order of `EXPERT_TENSORS`.
+EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
+# Where a routed expert's factors live in a parameter name (``...mlp.experts.lora_fc1.lora_A``).
+_EXPERT_FACTOR = "mlp.experts.lora_"
 # LoraConfig fields refused unless at their off value: why, and the off value.
 _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "bias": ("trains the base layers' biases", "none"),
     "lora_bias": ("trains a bias on lora_B", False),
     "modules_to_save": ("trains whole copies of modules", None),
     "trainable_token_indices": ("trains rows of the embedding", None),
-    "target_parameters": ("adapts raw parameters rather than linear layers", None),
     "use_dora": ("(DoRA) trains a magnitude vector", False),
     "rank_pattern": ("gives layers their own rank", {}),
     "alpha_pattern": ("gives layers their own alpha", {}),
@@ -83,12 +100,18 @@ class LoraPlan:
     """Which linears of the model carry adapters.
 
     ``config``: a private copy of the ``LoraConfig`` (``"all-linear"`` resolved to the HF leaf
-    names it covers, as peft records it); ``layers``: per global layer index, the adapted
-    megatron linears (keys of `LINEARS`, in that order); layers without adapters are absent.
+    names and expert tensors it covers, as peft records it); ``layers``: per global layer
+    index, the adapted megatron linears (keys of `LINEARS` or `SHARED`, in that order);
+    ``experts``: per global MoE layer, the adapted routed-expert linears (of
+    `EXPERT_LINEARS`); ``expert_keys``: per (layer, expert linear), the module path of its
+    adapter in peft's file (``model.layers.0.mlp.experts.base_layer``). Layers without
+    adapters are absent.
     """
 
     config: LoraConfig
     layers: Mapping[int, tuple[str, ...]]
+    experts: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    expert_keys: Mapping[tuple[int, str], str] = dataclasses.field(default_factory=dict)
 
 
 def lora_config(config: LoraConfig | Mapping[str, Any]) -> LoraConfig:
@@ -115,31 +138,64 @@ def _hf_modules(rule: Rule, layer: int) -> tuple[str, ...]:
     return tuple(name.format(layer=layer).removesuffix(".weight") for name in rule.hf)
 
 
-def _layer_linears(hf_config: Any) -> list[tuple[str, ...]]:
-    """Per global layer, the keys of `LINEARS` it has (MoE layers: attention only)."""
-    return [
-        tuple(k for k in LINEARS if not (moe and k.startswith("mlp.")))
-        for moe in moe_layers(hf_config)
-    ]
+def layer_linears(hf_config: Any) -> list[dict[str, Rule]]:
+    """Per global layer, the linears that take a `LoraParallelLinear` and their bridge rules
+    (MoE layers: attention and the shared expert's MLP, if any)."""
+    attention = {k: r for k, r in LINEARS.items() if not k.startswith("mlp.")}
+    moe = megatron_family(hf_config).moe
+    by_name = (
+        {r.mcore.removeprefix("decoder.layers.{layer}."): r for r in moe_rules(moe)} if moe else {}
+    )
+    shared = {k: by_name[f"{k}.weight"] for k in SHARED if f"{k}.weight" in by_name}
+    return [{**attention, **shared} if m else dict(LINEARS) for m in moe_layers(hf_config)]
+
+
+def _expert_plan(
+    config: LoraConfig, hf_module: torch.nn.Module
+) -> tuple[dict[int, tuple[str, ...]], dict[tuple[int, str], str]]:
+    """The routed-expert linears `config.target_parameters` selects per layer, and each one's
+    module path in peft's file: peft nests one ``ParamWrapper`` per targeted tensor of a module
+    in the module's parameter order, the first innermost (``...experts.base_layer``)."""
+    experts: dict[int, tuple[str, ...]] = {}
+    keys: dict[tuple[int, str], str] = {}
+    targets = config.target_parameters or ()
+    for name, module in hf_module.named_modules():
+        owned = [p for p, _ in module.named_parameters(recurse=False)]
+        picked = [
+            p
+            for p in owned
+            if p in EXPERT_TENSORS
+            and any(f"{name}.{p}" == t or f"{name}.{p}".endswith(f".{t}") for t in targets)
+        ]
+        if not picked:
+            continue
+        layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+        parts = [EXPERT_LINEARS[EXPERT_TENSORS.index(p)] for p in picked]
+        experts[layer] = tuple(sorted(parts))
+        for depth, part in enumerate(parts):
+            keys[layer, part] = name + ".base_layer" * (len(parts) - 1 - depth)
+    return experts, keys
 
 
 def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) -> LoraPlan:
     """The adapters `config` asks for on the HF model `hf_module` (may be on the meta device).
 
     Every module of `hf_module` that peft's matcher selects must be one of the linears of
-    `LINEARS`, and a fused linear's parts are selected all or none. Raises ``ValueError`` for
-    what `lora_config` refuses, targets that match nothing (naming the supported modules), a
-    selected module that is not one of those linears (the lm_head, an embedding, an MoE
-    expert or router...), or part of a fused linear (naming the missing parts).
+    `LINEARS` (or `SHARED`), and a fused linear's parts are selected all or none; routed experts
+    come from ``target_parameters`` (`twinkle_fn.lora.resolve_moe_targets`). Raises
+    ``ValueError`` for what `lora_config` and `resolve_moe_targets` refuse, targets that match
+    nothing (naming the supported modules), a selected module that is not one of those
+    linears (the lm_head, an embedding, a router...), or part of a fused linear (naming the
+    missing parts).
     """
-    config = lora_config(config)
+    config = resolve_moe_targets(lora_config(config), hf_module)
     hf_config = hf_module.config
-    per_layer = _layer_linears(hf_config)
+    per_layer = layer_linears(hf_config)
     supported = {
         name
-        for layer, keys in enumerate(per_layer)
-        for key in keys
-        for name in _hf_modules(LINEARS[key], layer)
+        for layer, rules in enumerate(per_layer)
+        for rule in rules.values()
+        for name in _hf_modules(rule, layer)
     }
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         config.target_modules = {name.rsplit(".", 1)[1] for name in supported}
@@ -150,19 +206,21 @@ def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) 
     if others:
         raise ValueError(
             f"target_modules={config.target_modules!r} selects {others[:3]}, which the megatron "
-            "backend's LoRA cannot adapt: it adapts the attention and dense-MLP linears "
-            "(q/k/v/o_proj, gate/up/down_proj); leave the others out"
+            "backend's LoRA cannot adapt: it adapts the attention, dense-MLP and shared-expert "
+            "linears (q/k/v/o_proj, gate/up/down_proj) and routed experts through "
+            "target_parameters; leave the others out"
         )
-    if not selected:
+    experts, expert_keys = _expert_plan(config, hf_module)
+    if not selected and not experts:
         raise ValueError(
             f"target_modules={config.target_modules!r} matches no linear layer of this model; "
             f"adaptable: {sorted({n.rsplit('.', 1)[1] for n in supported})} or 'all-linear'"
         )
     layers: dict[int, tuple[str, ...]] = {}
-    for layer, keys in enumerate(per_layer):
+    for layer, rules in enumerate(per_layer):
         chosen = []
-        for key in keys:
-            names = _hf_modules(LINEARS[key], layer)
+        for key, rule in rules.items():
+            names = _hf_modules(rule, layer)
             missing = [n.rsplit(".", 1)[1] for n in names if n not in selected]
             if len(missing) == len(names):
                 continue
@@ -176,7 +234,7 @@ def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) 
             chosen.append(key)
         if chosen:
             layers[layer] = tuple(chosen)
-    return LoraPlan(config, layers)
+    return LoraPlan(config, layers, experts, expert_keys)
 
 
 def add_lora(
@@ -234,29 +292,65 @@ def add_adapters(
 
     Call it after the base weights are loaded and before megatron's DDP and optimizer are
     built. Every parameter but the adapters' gets ``requires_grad=False``. The adapter of
-    global layer ``l``'s ``k``-th linear of `LINEARS` is seeded with ``4 * l + k``. Under
+    global layer ``l``'s ``k``-th linear of `LINEARS` is seeded with ``4 * l + k`` (a shared
+    expert's linears take the dense MLP's ``k``), the routed experts' linear ``j`` of
+    `EXPERT_LINEARS` with ``4 * layers + 2 * l + j`` (see `ExpertLora`). Under
     activation recomputation the embedding's output is made to require grad, so that
     megatron's checkpointed layers (which see no trainable input otherwise) backpropagate.
     Returns the plan (`resolve` of `config` on the HF model `hf_module`). Raises
-    ``ValueError`` as `resolve` does, and when a pipeline stage would hold no adapter.
+    ``ValueError`` as `resolve` does, when a pipeline stage would hold no adapter, and for
+    expert targets under etp > 1 or on experts that run megatron's loop.
     """
     plan = resolve(config, hf_module)
-    _check_stages(plan, hf_module.config.num_hidden_layers)
+    hf_config = hf_module.config
+    _check_stages(plan, hf_config.num_hidden_layers)
+    rules = layer_linears(hf_config)
     for p in gpt.parameters():
         p.requires_grad_(False)
     for layer in gpt.decoder.layers:
         index = layer.layer_number - 1
         for key in plan.layers.get(index, ()):
-            owner, attr = key.split(".")
-            parent = getattr(layer, owner)
-            seed = len(LINEARS) * index + list(LINEARS).index(key)
+            parent, _, attr = key.rpartition(".")
+            owner = layer.get_submodule(parent)
+            slot = SHARED[key] if key in SHARED else list(LINEARS).index(key)
+            seed = len(LINEARS) * index + slot
             wrapped = LoraParallelLinear(
-                getattr(parent, attr), plan.config, rule=LINEARS[key], seed=seed
+                getattr(owner, attr), plan.config, rule=rules[index][key], seed=seed
             )
-            setattr(parent, attr, wrapped)
+            setattr(owner, attr, wrapped)
+        for part in plan.experts.get(index, ()):
+            _add_expert_lora(layer.mlp.experts, part, plan.config, index, hf_config)
     if gpt.pre_process and gpt.config.recompute_granularity is not None:
         gpt.embedding.register_forward_hook(_require_grad)
     return plan
+
+
+def _add_expert_lora(
+    experts: torch.nn.Module, part: str, config: LoraConfig, index: int, hf_config: Any
+) -> None:
+    """Register an `ExpertLora` on `part` of this rank's routed experts of global layer `index`."""
+    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        raise ValueError(
+            "LoRA on routed experts under expert tensor parallelism (etp > 1) is not supported: "
+            "use etp=1 (experts whole, split over ep) or leave the experts out "
+            "(target_parameters=[])"
+        )
+    if not isinstance(experts, GroupedSequentialMLP) or not grouped_supported(experts.config):
+        raise ValueError(
+            f"LoRA on routed experts needs twinkle's grouped experts, but layer {index}'s are "
+            f"{type(experts).__name__} with this config (fp8/fp4, expert biases or a fused "
+            "activation other than SwiGLU); leave the experts out (target_parameters=[])"
+        )
+    local = experts.local_experts
+    total = hf_config.num_hidden_layers
+    lora = ExpertLora(
+        [getattr(e, part).weight for e in local],
+        config,
+        seed=len(LINEARS) * total + 2 * index + EXPERT_LINEARS.index(part),
+        first_expert=parallel_state.get_expert_model_parallel_rank() * len(local),
+        num_experts=len(local) * parallel_state.get_expert_model_parallel_world_size(),
+    )
+    experts.add_module(f"lora_{part.removeprefix('linear_')}", lora)
 
 
 def _require_grad(module: torch.nn.Module, args: Any, output: Tensor) -> None:
@@ -268,7 +362,8 @@ def _check_stages(plan: LoraPlan, num_layers: int) -> None:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     per_stage = num_layers // pp
     for stage in range(pp):
-        if not any(stage * per_stage <= layer < (stage + 1) * per_stage for layer in plan.layers):
+        adapted = {*plan.layers, *plan.experts}
+        if not any(stage * per_stage <= layer < (stage + 1) * per_stage for layer in adapted):
             raise ValueError(
                 f"pipeline stage {stage} (layers {stage * per_stage}..{(stage + 1) * per_stage - 1}"
                 f") has no adapter under target_modules={plan.config.target_modules!r} and "
@@ -295,22 +390,38 @@ def adapter_state_dict(state: TrainState) -> dict[str, Tensor]:
     Keys are ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` etc.; values
     ``[r, in]`` / ``[out, r]`` CPU tensors in the model's parameter dtype, gathered from every
     tp and pp rank on every rank. A fused linear's ``B`` is split into its parts by the
-    bridge's transforms, each part getting a copy of the shared ``A``. Raises ``ValueError``
-    for a state without a megatron LoRA adapter and ``DonatedError`` for a donated state.
+    bridge's transforms, each part getting a copy of the shared ``A``. Routed experts' factors
+    are gathered from every ep rank into peft's ``ParamWrapper`` keys and layout
+    (``...mlp.experts.base_layer.lora_A.weight`` ``[r * experts, in]``, see
+    `_peft_expert_tensors`). Raises ``ValueError`` for a state without a megatron LoRA adapter
+    and ``DonatedError`` for a donated state.
     """
     placement = _placement(state)
     mesh, rank = placement.mesh, dist.get_rank()
-    coords = mesh.coords(rank)
+    coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
+    # One rank of each (tp, pp) sends the dense adapters, one of each (ep, pp) the experts'.
     sends = mesh.data_rank(rank) == 0 and coords["cp"] == 0
+    sends_experts = expert["edp"] == 0 and expert["etp"] == 0
     local = {
         n: p.detach().cpu()
         for n, p in placement.module.named_parameters()
-        if sends and p.requires_grad
+        if p.requires_grad and (sends_experts if _EXPERT_FACTOR in n else sends)
     }
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, ((coords["tp"], coords["pp"]), local))
-    shards = {key: part for key, part in gathered if part}
-    return dict(_peft_tensors(placement.lora, shards, placement.hf_config, mesh.tp, mesh.pp))
+    dist.all_gather_object(gathered, ((coords["tp"], coords["pp"], expert["ep"]), local))
+    dense: dict[tuple[int, int], dict[str, Tensor]] = {}
+    routed: dict[tuple[int, int], dict[str, Tensor]] = {}
+    for (tp, pp, ep), part in gathered:
+        for n, t in part.items():
+            if _EXPERT_FACTOR in n:
+                routed.setdefault((ep, pp), {})[n] = t
+            else:
+                dense.setdefault((tp, pp), {})[n] = t
+    plan, hf_config = placement.lora, placement.hf_config
+    return {
+        **dict(_peft_tensors(plan, dense, hf_config, mesh.tp, mesh.pp)),
+        **dict(_peft_expert_tensors(plan, routed, hf_config, mesh.ep, mesh.pp)),
+    }
 
 
 def _peft_tensors(
@@ -321,10 +432,11 @@ def _peft_tensors(
     pp: int,
 ) -> Iterator[tuple[str, Tensor]]:
     per_stage = hf_config.num_hidden_layers // pp
+    per_layer = layer_linears(hf_config)
     for layer, keys in sorted(plan.layers.items()):
         stage, local = divmod(layer, per_stage)
         for key in keys:
-            rule = LINEARS[key]
+            rule = per_layer[layer][key]
             prefix = f"decoder.layers.{local}.{key}."
             a, b = (
                 [shards[t, stage][prefix + f"lora_{f}.weight"] for t in range(tp)] for f in "AB"
@@ -339,6 +451,44 @@ def _peft_tensors(
             for name, tensor in pairs:
                 # Own storage for each: the q/k/v parts are views, A is shared by them.
                 yield PEFT_PREFIX + name, tensor.clone()
+
+
+def _peft_expert_tensors(
+    plan: LoraPlan,
+    shards: Mapping[tuple[int, int], Mapping[str, Tensor]],
+    hf_config: Any,
+    ep: int,
+    pp: int,
+) -> Iterator[tuple[str, Tensor]]:
+    """The routed experts' factors in peft's layout (`expert_factors_to_peft`), the ep ranks'
+    local experts stacked in global order."""
+    per_stage = hf_config.num_hidden_layers // pp
+    for layer, parts in sorted(plan.experts.items()):
+        stage, local = divmod(layer, per_stage)
+        for part in parts:
+            prefix = expert_factor_name(local, part) + "."
+            a, b = (
+                torch.cat([shards[e, stage][prefix + f"lora_{f}"] for e in range(ep)]) for f in "AB"
+            )
+            yield from expert_factors_to_peft(plan, layer, part, a, b)
+
+
+def expert_factor_name(layer: int, part: str) -> str:
+    """The stage-local parameter path of `ExpertLora` on `part` of local layer `layer`, without
+    the factor (``decoder.layers.0.mlp.experts.lora_fc1``)."""
+    return f"decoder.layers.{layer}.{_EXPERT_FACTOR}{part.removeprefix('linear_')}"
+
+
+def expert_factors_to_peft(
+    plan: LoraPlan, layer: int, part: str, a: Tensor, b: Tensor
+) -> Iterator[tuple[str, Tensor]]:
+    """Every expert's factors of `part` of global layer `layer` (`a` ``[E, r, in]``, `b`
+    ``[E, out, r]``, experts in global order) under peft's ``ParamWrapper`` keys and layout:
+    ``lora_A`` ``[E * r, in]`` (row ``e * r + k``), ``lora_B`` ``[out, r * E]`` (column
+    ``k * E + e``)."""
+    key = PEFT_PREFIX + plan.expert_keys[layer, part]
+    yield f"{key}.lora_A.weight", a.reshape(-1, a.shape[-1]).contiguous()
+    yield f"{key}.lora_B.weight", b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
 
 
 def save_adapter(state: TrainState, path: str | os.PathLike[str]) -> Path:

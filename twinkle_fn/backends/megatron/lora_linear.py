@@ -3,8 +3,10 @@
 The adapter follows the base linear's tensor-parallel layout (a column-parallel base splits
 ``B``'s rows like its own, a row-parallel one splits ``A``'s columns), so each rank computes
 its part of ``x @ (W + scaling * B @ A).T`` with the base linear's own communication.
-`adapters_off` runs a block on the base weights alone (a reference model's forward).
-`twinkle_fn.backends.megatron.lora` decides which linears get one and exports the adapter.
+`ExpertLora` is the adapter of one linear (fc1 or fc2) of every local routed expert of an MoE
+layer, which `GroupedSequentialMLP` adds in its grouped GEMMs. `adapters_off` runs a block on the
+base weights alone (a reference model's forward). `twinkle_fn.backends.megatron.lora` decides
+which linears get one and exports the adapter.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from twinkle_fn.backends.megatron.bridge import Rule
 from twinkle_fn.backends.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
+from twinkle_fn.backends.megatron.grouped_experts import grouped_linear
 
 
 class LoraParallelLinear(MegatronModule):
@@ -129,15 +132,69 @@ class LoraParallelLinear(MegatronModule):
         return y * self.scaling
 
 
+class ExpertLora(torch.nn.Module):
+    """``scaling * B_e @ A_e`` beside one linear of each local routed expert ``e``.
+
+    `weights`: the local experts' base weights of that linear (``[out, in]`` each, whole: expert
+    tensor parallelism is refused by the caller). ``lora_A`` ``[experts, r, in]`` and ``lora_B``
+    ``[experts, out, r]`` stack the local experts' factors; expert ``j`` of this rank is global
+    expert ``first_expert + j``, initialised as peft initialises its expert adapters (A
+    kaiming-uniform with fan-in ``in``, B zero or, with ``init_lora_weights=False``, like A;
+    ``'gaussian'``: A normal with std ``1 / r``) from a generator seeded with
+    ``seed * num_experts + global expert``, so every expert-parallel layout starts from the same
+    adapter. The factors carry the base weights' ``allreduce`` flag, so megatron's DDP reduces
+    their gradients over the expert data-parallel group like the experts'.
+    """
+
+    def __init__(
+        self,
+        weights: list[Tensor],
+        config: LoraConfig,
+        *,
+        seed: int,
+        first_expert: int,
+        num_experts: int,
+    ) -> None:
+        super().__init__()
+        r = config.r
+        out, size_in = weights[0].shape
+        self.scaling = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
+        a = torch.empty(len(weights), r, size_in)
+        b = torch.zeros(len(weights), out, r)
+        for j in range(len(weights)):
+            gen = torch.Generator().manual_seed(seed * num_experts + first_expert + j)
+            if config.init_lora_weights == "gaussian":
+                a[j].normal_(0.0, 1.0 / r, generator=gen)
+            else:
+                torch.nn.init.kaiming_uniform_(a[j], a=math.sqrt(5), generator=gen)
+            if config.init_lora_weights is False:
+                torch.nn.init.kaiming_uniform_(b[j], a=math.sqrt(5), generator=gen)
+        like = weights[0]
+        self.lora_A = torch.nn.Parameter(a.to(like.device, like.dtype))
+        self.lora_B = torch.nn.Parameter(b.to(like.device, like.dtype))
+        for factor in (self.lora_A, self.lora_B):
+            if hasattr(like, "allreduce"):
+                factor.allreduce = like.allreduce  # type: ignore[attr-defined]
+        # `adapters_off` clears it: the experts then compute with their base weights alone
+        self.enabled = True
+
+    def forward(self, x: Tensor, offs: Tensor) -> Tensor:
+        """``[tokens, out]``: the update of each row of `x` ``[tokens, in]`` (sorted by local
+        expert, `offs` the cumulative group ends as in `grouped_linear`)."""
+        h = grouped_linear(x, offs, list(self.lora_A.unbind(0)))  # [tokens, r]
+        return grouped_linear(h, offs, list(self.lora_B.unbind(0))) * self.scaling
+
+
 @contextlib.contextmanager
 def adapters_off(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
-    """Within the block every `LoraParallelLinear` of `modules` (a rank's model chunks)
-    computes its base layer alone: the base weights' outputs, as the model before
+    """Within the block every `LoraParallelLinear` and `ExpertLora` of `modules` (a rank's
+    model chunks) computes its base layer alone: the base weights' outputs, as the model before
     `add_adapters` (a reference model's log-probs without a second copy of the weights). The
     skipped update draws no dropout mask, so megatron's RNG streams advance as without LoRA.
     A no-op on modules without adapters. On several ranks every rank must enter it (each
     switches its own stage's adapters)."""
-    layers = [m for c in modules for m in c.modules() if isinstance(m, LoraParallelLinear)]
+    kinds = (LoraParallelLinear, ExpertLora)
+    layers = [m for c in modules for m in c.modules() if isinstance(m, kinds)]
     for layer in layers:
         layer.enabled = False
     try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, ParamWrapper
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
@@ -98,19 +98,40 @@ def _merged(
         if _BASE not in name:
             yield name, whole(param, dtype)
             continue
-        path, leaf = name.split(_BASE, 1)
-        layer = layers.get(path)
-        if leaf != "weight" or layer is None:
-            yield f"{path}.{leaf}", whole(param, dtype)
+        plain = name.replace(_BASE, ".")
+        while _BASE in plain:  # nested wrappers (peft's ParamWrapper per expert tensor)
+            plain = plain.replace(_BASE, ".")
+        leaf = plain.rsplit(".", 1)[1]
+        layer = _adapting(layers, name, leaf)
+        if layer is None:
+            yield plain, whole(param, dtype)
             continue
         weight = whole(param, torch.float32)
-        delta = _delta(layer, path, adapter)
-        yield f"{path}.weight", (weight if delta is None else weight + delta).to(dtype)
+        delta = _delta(layer, plain, adapter)
+        yield plain, (weight if delta is None else weight + delta).to(dtype)
+
+
+def _adapting(layers: dict[str, LoraLayer], name: str, leaf: str) -> LoraLayer | None:
+    """The LoRA layer that adapts parameter `name` (its last component `leaf`): a linear's
+    ``<path>.base_layer.weight``, or the ``ParamWrapper`` at one of the ``base_layer`` levels of
+    `name` whose ``parameter_name`` is `leaf`."""
+    path = name
+    while _BASE in path + ".":
+        path = path.rsplit(".base_layer", 1)[0]
+        layer = layers.get(path)
+        if isinstance(layer, ParamWrapper):
+            if layer.parameter_name == leaf:
+                return layer
+        elif layer is not None and name == f"{path}.base_layer.weight":
+            return layer
+    return None
 
 
 def _delta(layer: LoraLayer, path: str, adapter: str) -> torch.Tensor | None:
     """The adapter's whole update of `layer`'s weight in float32 (None where it has none)."""
     scaling = layer.scaling.get(adapter)
+    if isinstance(layer, ParamWrapper) and adapter in layer.lora_A:
+        return scaling * _expert_delta(layer, adapter)
     if adapter in layer.lora_A:
         a = whole(layer.lora_A[adapter].weight, torch.float32)
         b = whole(layer.lora_B[adapter].weight, torch.float32)
@@ -126,3 +147,21 @@ def _delta(layer: LoraLayer, path: str, adapter: str) -> torch.Tensor | None:
         f"cannot merge adapter {adapter!r} into {path!r} ({type(layer).__name__}): only linear "
         "and embedding LoRA layers merge; export with lora='separate'"
     )
+
+
+def _expert_delta(layer: ParamWrapper, adapter: str) -> torch.Tensor:
+    """``B_e @ A_e`` of every expert in the layout of the wrapped parameter (float32, whole):
+    peft's ``ParamWrapper.get_delta_weight`` on the gathered factors (``lora_A``
+    ``[r * experts, in]`` expert-major, ``lora_B`` ``[out, r * experts]`` rank-major)."""
+    experts = layer.num_experts
+    a = whole(layer.lora_A[adapter].weight, torch.float32)
+    b = whole(layer.lora_B[adapter].weight, torch.float32)
+    if experts == 1:
+        return b @ a
+    a = a.reshape(experts, -1, a.shape[-1])  # [experts, r, in]
+    b = b.reshape(b.shape[0], -1, experts)  # [out, r, experts]
+    # the wrapped tensor is [experts, out, in] when peft swapped its in/out features
+    pattern = (
+        "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
+    )
+    return torch.einsum(pattern, b, a)

@@ -33,7 +33,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from torch.distributed.tensor import DTensor
 
 from twinkle_fn.backends.transformers import fsdp
-from twinkle_fn.lora import PEFT_PREFIX, check_adapters_only, lora_config
+from twinkle_fn.lora import PEFT_PREFIX, check_adapters_only, lora_config, resolve_moe_targets
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
 
@@ -42,7 +42,6 @@ _UNSUPPORTED: dict[str, tuple[str, Any]] = {
     "bias": ("trains the base layers' biases", "none"),
     "modules_to_save": ("trains whole copies of modules", None),
     "trainable_token_indices": ("trains rows of the embedding", None),
-    "target_parameters": ("adapts raw parameters rather than linear layers", None),
     "use_dora": ("(DoRA) trains a magnitude vector that the sharded backends do not handle", False),
 }
 # The adapter name inside a LoRA weight's name: ``<layer>.lora_A.<adapter>.weight`` (linear),
@@ -58,7 +57,8 @@ def add_lora(
 
     `config` is a ``peft.LoraConfig`` or the keyword arguments of one (e.g. ``{"r": 8,
     "lora_alpha": 16, "target_modules": "all-linear"}``; ``"all-linear"`` leaves the lm_head
-    out). It is copied, never modified. With the default ``init_lora_weights=True`` every
+    out; on an MoE model it adds the routed experts, see `twinkle_fn.lora.resolve_moe_targets`).
+    It is copied, never modified. With the default ``init_lora_weights=True`` every
     ``lora_B`` starts at zero, so the model computes exactly what it did before. A module may
     hold several adapters under different names (each with its own config); the new one becomes
     the active one (see `set_adapter`), so afterwards only its parameters require grad. Its
@@ -72,7 +72,9 @@ def add_lora(
     holds a ``.`` or is already taken (naming the adapters there), a config that targets the
     lm_head (it computes the fused loss), one that trains more than low-rank adapters or
     rewrites the base weights (``bias``, ``modules_to_save``, ``trainable_token_indices``,
-    ``target_parameters``, ``use_dora``, PiSSA-style ``init_lora_weights``), or
+    ``use_dora``, PiSSA-style ``init_lora_weights``), MoE targets that
+    `twinkle_fn.lora.resolve_moe_targets` refuses (a router, ``target_parameters`` other than
+    the fused experts), or
     ``target_modules`` that match no layer (peft's message); ``TypeError`` for a config that is
     neither a ``LoraConfig`` nor a dict of its fields.
     """
@@ -95,7 +97,7 @@ def add_lora(
             f"this model already has adapter {adapter_name!r} (adapters: {names}); add another "
             "adapter under a new name"
         )
-    config = lora_config(config)
+    config = resolve_moe_targets(lora_config(config), module)
     check_adapters_only(config, _UNSUPPORTED, "twinkle's LoRA")
     _check_head(config, _head_name(module))
     try:
