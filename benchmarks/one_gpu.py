@@ -27,7 +27,21 @@ lm_head left out):
 - ``twinkle_megatron_distopt``: the distributed optimizer (float32 main parameters and moments: 18 bytes
   a parameter).
 
-Each row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
+``--workload load`` (a bf16 checkpoint of the shape, written once to ``--checkpoint`` when that
+directory has none, its files read once before the rows so every row reads from the page
+cache): the wall time to load it onto the device, and to ``tf.init`` a LoRA state over it:
+
+- ``hf_from_pretrained``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16,
+  device_map=<device>)`` (no init);
+- ``twinkle_transformers``: ``tf.models.from_pretrained(dir, precision="bf16")``, then
+  ``tf.lora.add_lora`` and ``tf.init``;
+- ``twinkle_megatron``: the same on the megatron backend (which reads its slices of the files
+  in ``tf.init``).
+
+Each row reports seconds (load, init, total), GB/s (checkpoint bytes over the total) and the
+peak memory.
+
+Each training row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
 Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes from
 the row's start (model construction included) in GiB. A failing row (out of memory) is reported
 and the run goes on; the JSON is rewritten after every row.
@@ -36,6 +50,8 @@ and the run goes on; the JSON is rewritten after every row.
         --json lora.json
     python -m benchmarks.one_gpu --workload full --shape qwen3-4b --seq 2048 --batch 4 \\
         --json full.json
+    python -m benchmarks.one_gpu --workload load --shape qwen3-4b --checkpoint /tmp/qwen3-4b \\
+        --json load.json
 """
 
 from __future__ import annotations
@@ -44,6 +60,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -113,6 +130,7 @@ WORKLOADS = MappingProxyType(
             "twinkle_megatron_adamw_bf16_compiled",
             "twinkle_megatron_distopt",
         ),
+        "load": ("hf_from_pretrained", "twinkle_transformers", "twinkle_megatron"),
     }
 )
 _LR, _WEIGHT_DECAY, _CLIP = 1e-5, 0.01, 1.0
@@ -141,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
     )
     setup = Setup(config, ids.to(device), device, "model")
+    if args.workload == "load":
+        return _main_load(args, config, device, rows)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -362,6 +382,95 @@ _ROWS = MappingProxyType(
 )
 
 
+# --- loading rows ---------------------------------------------------------------------------
+
+
+def write_checkpoint(config: PretrainedConfig, directory: Path) -> int:
+    """A random bf16 checkpoint of `config` in `directory` unless one is there; its bytes."""
+    if not (directory / "config.json").is_file():
+        torch.manual_seed(0)
+        module = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        module.save_pretrained(directory)
+        del module
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def _warm(directory: Path) -> None:
+    """Read every file once, so that each row reads from the page cache alike."""
+    for f in sorted(directory.glob("*.safetensors")):
+        with f.open("rb", buffering=0) as fh:
+            while fh.read(1 << 26):
+                pass
+
+
+def load_row(name: str, directory: Path, device: torch.device) -> dict[str, Any]:
+    """Load the checkpoint in `directory` the way row `name` does, timing the load and the
+    init; memory released after."""
+    if "megatron" in name and "megatron" not in backends.names():
+        return {"status": "skipped", "reason": "no megatron backend"}
+    release(device)
+    backend = name.removeprefix("twinkle_")
+    try:
+        with megatron_world(device) if backend == "megatron" else contextlib.nullcontext():
+            _sync(device)
+            start = time.perf_counter()
+            if name == "hf_from_pretrained":
+                loaded: Any = AutoModelForCausalLM.from_pretrained(
+                    directory, dtype=torch.bfloat16, device_map=str(device)
+                )
+            else:
+                loaded = tf.models.from_pretrained(directory, backend=backend, precision="bf16")
+            _sync(device)
+            load_s = time.perf_counter() - start
+            if name != "hf_from_pretrained":
+                model = tf.lora.add_lora(loaded, dict(LORA))
+                loaded = tf.init(model, _adamw(backend))
+            _sync(device)
+            total = time.perf_counter() - start
+            peak = _peak_gib(device)
+            del loaded
+    except Exception as e:  # a failing row is a result, not a crash
+        row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    else:
+        row = {"status": "ok", "load_s": load_s, "init_s": total - load_s, "total_s": total}
+        row["peak_mem_gib"] = peak
+    release(device)
+    return row
+
+
+def _main_load(
+    args: argparse.Namespace, config: PretrainedConfig, device: torch.device, rows: list[str]
+) -> dict[str, Any]:
+    directory = Path(args.checkpoint or f"/tmp/twinkle_{args.shape}_bf16")
+    size = write_checkpoint(config, directory)
+    _warm(directory)
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": versions(),
+        "workload": "load",
+        "shape": args.shape,
+        "checkpoint": str(directory),
+        "checkpoint_gib": size / 2**30,
+        "rows": {},
+    }
+    print(f"load {args.shape}: {size / 2**30:.2f} GiB in {directory} on {result['device_name']}")
+    for name in rows:
+        row = load_row(name, directory, device)
+        if row["status"] == "ok":
+            row["gb_per_s"] = size / 1e9 / row["total_s"]
+        result["rows"][name] = row
+        print(f"{name}: {json.dumps(row)}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # --- output ---------------------------------------------------------------------------------
 
 
@@ -406,6 +515,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=10)
     p.add_argument("--warmup", type=_positive_int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--checkpoint", default=None, help="load: default /tmp/twinkle_<shape>_bf16")
     p.add_argument("--json", default="one_gpu.json")
     return p
 
