@@ -42,8 +42,10 @@ Each row reports seconds (load, init, total), GB/s (checkpoint bytes over the to
 peak memory.
 
 Each training row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
-Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes from
-the row's start (model construction included) in GiB. A failing row (out of memory) is reported
+Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes over
+the steps (what construction left allocated counts; a transient of construction, such as the
+transformers backend's float32 module before ``tf.init`` stores a LoRA base in bf16, does not)
+in GiB. A failing row (out of memory) is reported
 and the run goes on; the JSON is rewritten after every row.
 
     python -m benchmarks.one_gpu --workload lora --shape qwen3-4b --seq 2048 --batch 4 \\
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import time
@@ -136,6 +139,14 @@ WORKLOADS = MappingProxyType(
 _LR, _WEIGHT_DECAY, _CLIP = 1e-5, 0.01, 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class OneGpuSetup(Setup):
+    """`benchmarks.throughput.Setup` and whether every row recomputes each decoder layer's
+    activations in backward (``--activation-checkpointing``)."""
+
+    activation_checkpointing: bool = False
+
+
 def qwen3_config(shape: str) -> PretrainedConfig:
     """The HF ``Qwen3Config`` of `shape` (a key of `SHAPES`). Raises ``ValueError`` if unknown."""
     if shape not in SHAPES:
@@ -158,7 +169,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = torch.randint(
         0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
     )
-    setup = Setup(config, ids.to(device), device, "model")
+    setup = OneGpuSetup(
+        config,
+        ids.to(device),
+        device,
+        "model",
+        activation_checkpointing=args.activation_checkpointing,
+    )
     if args.workload == "load":
         return _main_load(args, config, device, rows)
     result = {
@@ -170,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seq": args.seq,
         "batch": args.batch,
         "tokens_per_step": args.batch * args.seq,
+        "activation_checkpointing": args.activation_checkpointing,
         "rows": {},
     }
     print(
@@ -185,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def run_row(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]:
+def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str, Any]:
     """One row's measurement, or why it was skipped or failed; its memory is released after."""
     if "_compiled" in name and setup.device.type != "cuda":
         return {"status": "skipped", "reason": "GPU only (compiling on a CPU takes minutes)"}
@@ -194,6 +212,8 @@ def run_row(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]:
     release(setup.device)
     try:
         with _ROWS[name](setup) as step:
+            if setup.device.type == "cuda":  # the steps' peak: what stays allocated counts
+                torch.cuda.reset_peak_memory_stats(setup.device)
             timing = time_steps(step, warmup, steps, setup.device)
             peak = _peak_gib(setup.device)
     except Exception as e:  # a failing row (out of memory) is a result, not a crash
@@ -219,7 +239,7 @@ def _peak_gib(device: torch.device) -> float | None:
 # --- lora rows ------------------------------------------------------------------------------
 
 
-def _peft(setup: Setup, compiled: bool) -> Step:
+def _peft(setup: OneGpuSetup, compiled: bool) -> Step:
     from peft import LoraConfig, get_peft_model
 
     device, ids = setup.device, setup.input_ids
@@ -228,6 +248,8 @@ def _peft(setup: Setup, compiled: bool) -> Step:
         base = AutoModelForCausalLM.from_config(
             setup.config, dtype=torch.bfloat16, attn_implementation="sdpa"
         ).train()
+    if setup.activation_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(base, LoraConfig(**LORA))
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -247,7 +269,7 @@ def _peft(setup: Setup, compiled: bool) -> Step:
 
 
 def twinkle_step(
-    setup: Setup,
+    setup: OneGpuSetup,
     backend: str,
     tx: tf.optim.GradientTransformation,
     options: dict[str, Any] | None = None,
@@ -259,7 +281,13 @@ def twinkle_step(
     # stays on the CPU, or its float32 copy would sit on the GPU through the row.
     place = torch.device("cpu") if backend == "megatron" else setup.device
     model = tf.models.from_hf_config(
-        setup.config, backend=backend, precision="bf16", device=place, seed=0, options=options
+        setup.config,
+        backend=backend,
+        precision="bf16",
+        device=place,
+        seed=0,
+        options=options,
+        activation_checkpointing=setup.activation_checkpointing,
     )
     if lora:
         model = tf.lora.add_lora(model, dict(LORA))
@@ -292,34 +320,34 @@ def _adamw_bf16() -> tf.optim.GradientTransformation:
 
 
 @contextlib.contextmanager
-def _peft_eager(setup: Setup) -> Iterator[Step]:
+def _peft_eager(setup: OneGpuSetup) -> Iterator[Step]:
     yield _peft(setup, compiled=False)
 
 
 @contextlib.contextmanager
-def _peft_compiled(setup: Setup) -> Iterator[Step]:
+def _peft_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     yield _peft(setup, compiled=True)
 
 
 @contextlib.contextmanager
-def _twinkle_transformers(setup: Setup) -> Iterator[Step]:
+def _twinkle_transformers(setup: OneGpuSetup) -> Iterator[Step]:
     yield twinkle_step(setup, "transformers", _adamw("transformers"), lora=True)
 
 
 @contextlib.contextmanager
-def _twinkle_transformers_compiled(setup: Setup) -> Iterator[Step]:
+def _twinkle_transformers_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     options = {"compile_layers": True}
     yield twinkle_step(setup, "transformers", _adamw("transformers"), options, lora=True)
 
 
 @contextlib.contextmanager
-def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
+def _twinkle_megatron(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw("megatron"), lora=True)
 
 
 @contextlib.contextmanager
-def _twinkle_megatron_compiled(setup: Setup) -> Iterator[Step]:
+def _twinkle_megatron_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         options = {"compile_layers": True}
         yield twinkle_step(setup, "megatron", _adamw("megatron"), options, lora=True)
@@ -331,35 +359,35 @@ _NO_MASTERS = {"master_weights": False}
 
 
 @contextlib.contextmanager
-def _full_transformers_adamw(setup: Setup) -> Iterator[Step]:
+def _full_transformers_adamw(setup: OneGpuSetup) -> Iterator[Step]:
     yield twinkle_step(setup, "transformers", _adamw("transformers"))
 
 
 @contextlib.contextmanager
-def _full_transformers_adamw_bf16(setup: Setup) -> Iterator[Step]:
+def _full_transformers_adamw_bf16(setup: OneGpuSetup) -> Iterator[Step]:
     yield twinkle_step(setup, "transformers", _adamw_bf16(), dict(_NO_MASTERS))
 
 
 @contextlib.contextmanager
-def _full_transformers_adamw_bf16_compiled(setup: Setup) -> Iterator[Step]:
+def _full_transformers_adamw_bf16_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     options = {**_NO_MASTERS, "compile_layers": True}
     yield twinkle_step(setup, "transformers", _adamw_bf16(), options)
 
 
 @contextlib.contextmanager
-def _full_megatron_adamw_bf16(setup: Setup) -> Iterator[Step]:
+def _full_megatron_adamw_bf16(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw_bf16())
 
 
 @contextlib.contextmanager
-def _full_megatron_adamw_bf16_compiled(setup: Setup) -> Iterator[Step]:
+def _full_megatron_adamw_bf16_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw_bf16(), {"compile_layers": True})
 
 
 @contextlib.contextmanager
-def _full_megatron(setup: Setup) -> Iterator[Step]:
+def _full_megatron(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw("megatron"))
 
@@ -515,6 +543,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=10)
     p.add_argument("--warmup", type=_positive_int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="every row recomputes each decoder layer in backward",
+    )
     p.add_argument("--checkpoint", default=None, help="load: default /tmp/twinkle_<shape>_bf16")
     p.add_argument("--json", default="one_gpu.json")
     return p
