@@ -27,23 +27,43 @@ lm_head left out):
 - ``twinkle_megatron_distopt``: the distributed optimizer (float32 main parameters and moments: 18 bytes
   a parameter).
 
-Each row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
-Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes from
-the row's start (model construction included) in GiB. A failing row (out of memory) is reported
+``--workload load`` (a bf16 checkpoint of the shape, written once to ``--checkpoint`` when that
+directory has none, its files read once before the rows so every row reads from the page
+cache): the wall time to load it onto the device, and to ``tf.init`` a LoRA state over it:
+
+- ``hf_from_pretrained``: ``AutoModelForCausalLM.from_pretrained(dir, dtype=torch.bfloat16,
+  device_map=<device>)`` (no init);
+- ``twinkle_transformers``: ``tf.models.from_pretrained(dir, precision="bf16")``, then
+  ``tf.lora.add_lora`` and ``tf.init``;
+- ``twinkle_megatron``: the same on the megatron backend (which reads its slices of the files
+  in ``tf.init``).
+
+Each row reports seconds (load, init, total), GB/s (checkpoint bytes over the total) and the
+peak memory.
+
+Each training row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
+Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes over
+the steps (what construction left allocated counts; a transient of construction, such as the
+transformers backend's float32 module before ``tf.init`` stores a LoRA base in bf16, does not)
+in GiB. A failing row (out of memory) is reported
 and the run goes on; the JSON is rewritten after every row.
 
     python -m benchmarks.one_gpu --workload lora --shape qwen3-4b --seq 2048 --batch 4 \\
         --json lora.json
     python -m benchmarks.one_gpu --workload full --shape qwen3-4b --seq 2048 --batch 4 \\
         --json full.json
+    python -m benchmarks.one_gpu --workload load --shape qwen3-4b --checkpoint /tmp/qwen3-4b \\
+        --json load.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -113,9 +133,18 @@ WORKLOADS = MappingProxyType(
             "twinkle_megatron_adamw_bf16_compiled",
             "twinkle_megatron_distopt",
         ),
+        "load": ("hf_from_pretrained", "twinkle_transformers", "twinkle_megatron"),
     }
 )
 _LR, _WEIGHT_DECAY, _CLIP = 1e-5, 0.01, 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OneGpuSetup(Setup):
+    """`benchmarks.throughput.Setup` and whether every row recomputes each decoder layer's
+    activations in backward (``--activation-checkpointing``)."""
+
+    activation_checkpointing: bool = False
 
 
 def qwen3_config(shape: str) -> PretrainedConfig:
@@ -140,7 +169,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = torch.randint(
         0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
     )
-    setup = Setup(config, ids.to(device), device, "model")
+    setup = OneGpuSetup(
+        config,
+        ids.to(device),
+        device,
+        "model",
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    if args.workload == "load":
+        return _main_load(args, config, device, rows)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -150,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seq": args.seq,
         "batch": args.batch,
         "tokens_per_step": args.batch * args.seq,
+        "activation_checkpointing": args.activation_checkpointing,
         "rows": {},
     }
     print(
@@ -165,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def run_row(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]:
+def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str, Any]:
     """One row's measurement, or why it was skipped or failed; its memory is released after."""
     if "_compiled" in name and setup.device.type != "cuda":
         return {"status": "skipped", "reason": "GPU only (compiling on a CPU takes minutes)"}
@@ -174,6 +212,8 @@ def run_row(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]:
     release(setup.device)
     try:
         with _ROWS[name](setup) as step:
+            if setup.device.type == "cuda":  # the steps' peak: what stays allocated counts
+                torch.cuda.reset_peak_memory_stats(setup.device)
             timing = time_steps(step, warmup, steps, setup.device)
             peak = _peak_gib(setup.device)
     except Exception as e:  # a failing row (out of memory) is a result, not a crash
@@ -199,7 +239,7 @@ def _peak_gib(device: torch.device) -> float | None:
 # --- lora rows ------------------------------------------------------------------------------
 
 
-def _peft(setup: Setup, compiled: bool) -> Step:
+def _peft(setup: OneGpuSetup, compiled: bool) -> Step:
     from peft import LoraConfig, get_peft_model
 
     device, ids = setup.device, setup.input_ids
@@ -208,6 +248,8 @@ def _peft(setup: Setup, compiled: bool) -> Step:
         base = AutoModelForCausalLM.from_config(
             setup.config, dtype=torch.bfloat16, attn_implementation="sdpa"
         ).train()
+    if setup.activation_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(base, LoraConfig(**LORA))
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
@@ -227,7 +269,7 @@ def _peft(setup: Setup, compiled: bool) -> Step:
 
 
 def twinkle_step(
-    setup: Setup,
+    setup: OneGpuSetup,
     backend: str,
     tx: tf.optim.GradientTransformation,
     options: dict[str, Any] | None = None,
@@ -239,7 +281,13 @@ def twinkle_step(
     # stays on the CPU, or its float32 copy would sit on the GPU through the row.
     place = torch.device("cpu") if backend == "megatron" else setup.device
     model = tf.models.from_hf_config(
-        setup.config, backend=backend, precision="bf16", device=place, seed=0, options=options
+        setup.config,
+        backend=backend,
+        precision="bf16",
+        device=place,
+        seed=0,
+        options=options,
+        activation_checkpointing=setup.activation_checkpointing,
     )
     if lora:
         model = tf.lora.add_lora(model, dict(LORA))
@@ -272,34 +320,34 @@ def _adamw_bf16() -> tf.optim.GradientTransformation:
 
 
 @contextlib.contextmanager
-def _peft_eager(setup: Setup) -> Iterator[Step]:
+def _peft_eager(setup: OneGpuSetup) -> Iterator[Step]:
     yield _peft(setup, compiled=False)
 
 
 @contextlib.contextmanager
-def _peft_compiled(setup: Setup) -> Iterator[Step]:
+def _peft_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     yield _peft(setup, compiled=True)
 
 
 @contextlib.contextmanager
-def _twinkle_transformers(setup: Setup) -> Iterator[Step]:
+def _twinkle_transformers(setup: OneGpuSetup) -> Iterator[Step]:
     yield twinkle_step(setup, "transformers", _adamw("transformers"), lora=True)
 
 
 @contextlib.contextmanager
-def _twinkle_transformers_compiled(setup: Setup) -> Iterator[Step]:
+def _twinkle_transformers_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     options = {"compile_layers": True}
     yield twinkle_step(setup, "transformers", _adamw("transformers"), options, lora=True)
 
 
 @contextlib.contextmanager
-def _twinkle_megatron(setup: Setup) -> Iterator[Step]:
+def _twinkle_megatron(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw("megatron"), lora=True)
 
 
 @contextlib.contextmanager
-def _twinkle_megatron_compiled(setup: Setup) -> Iterator[Step]:
+def _twinkle_megatron_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         options = {"compile_layers": True}
         yield twinkle_step(setup, "megatron", _adamw("megatron"), options, lora=True)
@@ -311,35 +359,35 @@ _NO_MASTERS = {"master_weights": False}
 
 
 @contextlib.contextmanager
-def _full_transformers_adamw(setup: Setup) -> Iterator[Step]:
+def _full_transformers_adamw(setup: OneGpuSetup) -> Iterator[Step]:
     yield twinkle_step(setup, "transformers", _adamw("transformers"))
 
 
 @contextlib.contextmanager
-def _full_transformers_adamw_bf16(setup: Setup) -> Iterator[Step]:
+def _full_transformers_adamw_bf16(setup: OneGpuSetup) -> Iterator[Step]:
     yield twinkle_step(setup, "transformers", _adamw_bf16(), dict(_NO_MASTERS))
 
 
 @contextlib.contextmanager
-def _full_transformers_adamw_bf16_compiled(setup: Setup) -> Iterator[Step]:
+def _full_transformers_adamw_bf16_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     options = {**_NO_MASTERS, "compile_layers": True}
     yield twinkle_step(setup, "transformers", _adamw_bf16(), options)
 
 
 @contextlib.contextmanager
-def _full_megatron_adamw_bf16(setup: Setup) -> Iterator[Step]:
+def _full_megatron_adamw_bf16(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw_bf16())
 
 
 @contextlib.contextmanager
-def _full_megatron_adamw_bf16_compiled(setup: Setup) -> Iterator[Step]:
+def _full_megatron_adamw_bf16_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw_bf16(), {"compile_layers": True})
 
 
 @contextlib.contextmanager
-def _full_megatron(setup: Setup) -> Iterator[Step]:
+def _full_megatron(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
         yield twinkle_step(setup, "megatron", _adamw("megatron"))
 
@@ -360,6 +408,95 @@ _ROWS = MappingProxyType(
         "twinkle_megatron_distopt": _full_megatron,
     }
 )
+
+
+# --- loading rows ---------------------------------------------------------------------------
+
+
+def write_checkpoint(config: PretrainedConfig, directory: Path) -> int:
+    """A random bf16 checkpoint of `config` in `directory` unless one is there; its bytes."""
+    if not (directory / "config.json").is_file():
+        torch.manual_seed(0)
+        module = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        module.save_pretrained(directory)
+        del module
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def _warm(directory: Path) -> None:
+    """Read every file once, so that each row reads from the page cache alike."""
+    for f in sorted(directory.glob("*.safetensors")):
+        with f.open("rb", buffering=0) as fh:
+            while fh.read(1 << 26):
+                pass
+
+
+def load_row(name: str, directory: Path, device: torch.device) -> dict[str, Any]:
+    """Load the checkpoint in `directory` the way row `name` does, timing the load and the
+    init; memory released after."""
+    if "megatron" in name and "megatron" not in backends.names():
+        return {"status": "skipped", "reason": "no megatron backend"}
+    release(device)
+    backend = name.removeprefix("twinkle_")
+    try:
+        with megatron_world(device) if backend == "megatron" else contextlib.nullcontext():
+            _sync(device)
+            start = time.perf_counter()
+            if name == "hf_from_pretrained":
+                loaded: Any = AutoModelForCausalLM.from_pretrained(
+                    directory, dtype=torch.bfloat16, device_map=str(device)
+                )
+            else:
+                loaded = tf.models.from_pretrained(directory, backend=backend, precision="bf16")
+            _sync(device)
+            load_s = time.perf_counter() - start
+            if name != "hf_from_pretrained":
+                model = tf.lora.add_lora(loaded, dict(LORA))
+                loaded = tf.init(model, _adamw(backend))
+            _sync(device)
+            total = time.perf_counter() - start
+            peak = _peak_gib(device)
+            del loaded
+    except Exception as e:  # a failing row is a result, not a crash
+        row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    else:
+        row = {"status": "ok", "load_s": load_s, "init_s": total - load_s, "total_s": total}
+        row["peak_mem_gib"] = peak
+    release(device)
+    return row
+
+
+def _main_load(
+    args: argparse.Namespace, config: PretrainedConfig, device: torch.device, rows: list[str]
+) -> dict[str, Any]:
+    directory = Path(args.checkpoint or f"/tmp/twinkle_{args.shape}_bf16")
+    size = write_checkpoint(config, directory)
+    _warm(directory)
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": versions(),
+        "workload": "load",
+        "shape": args.shape,
+        "checkpoint": str(directory),
+        "checkpoint_gib": size / 2**30,
+        "rows": {},
+    }
+    print(f"load {args.shape}: {size / 2**30:.2f} GiB in {directory} on {result['device_name']}")
+    for name in rows:
+        row = load_row(name, directory, device)
+        if row["status"] == "ok":
+            row["gb_per_s"] = size / 1e9 / row["total_s"]
+        result["rows"][name] = row
+        print(f"{name}: {json.dumps(row)}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -406,6 +543,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=10)
     p.add_argument("--warmup", type=_positive_int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="every row recomputes each decoder layer in backward",
+    )
+    p.add_argument("--checkpoint", default=None, help="load: default /tmp/twinkle_<shape>_bf16")
     p.add_argument("--json", default="one_gpu.json")
     return p
 

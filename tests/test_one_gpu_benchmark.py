@@ -59,3 +59,29 @@ def test_full_rows_train_the_same_task(full_run):
             continue
         assert row["status"] == "ok", (name, row)
         assert row["first_loss"] == pytest.approx(math.log(512), abs=0.1)
+
+
+def test_load_rows_report_seconds_and_rates(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = one_gpu.main(
+        [
+            "--workload",
+            "load",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            str(ckpt),
+            "--json",
+            "",
+        ]
+    )
+    assert (ckpt / "config.json").is_file() and result["checkpoint_gib"] > 0
+    assert list(result["rows"]) == list(one_gpu.WORKLOADS["load"])
+    for name, row in result["rows"].items():
+        if "megatron" in name and "megatron" not in backends.names():
+            continue
+        assert row["status"] == "ok", (name, row)
+        assert row["total_s"] == pytest.approx(row["load_s"] + row["init_s"])
+        assert row["gb_per_s"] > 0

@@ -178,12 +178,27 @@ def check_specs(
 
 def nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first floating tensor of `tensors` holding NaN or infinity (a DTensor's
-    local shard is read), or None."""
+    local shard is read), or None.
+
+    Each tensor is checked where it lives and the flags are read back once per device: one
+    host sync for a whole model on a GPU, not one per tensor. The check is a sum: a NaN or an
+    infinity makes it non-finite, so a finite sum proves the tensor finite in one reduction
+    (no boolean temporary); the rare non-finite sum of finite values (an overflow) is told
+    apart by an element-wise check of that tensor.
+    """
+    sums: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         local = getattr(tensor, "to_local", lambda t=tensor: t)()
-        if local.dtype.is_floating_point and not bool(torch.isfinite(local).all()):
-            return name
-    return None
+        if local.dtype.is_floating_point:
+            flag = torch.isfinite(local.sum())
+            sums.setdefault(local.device, []).append((name, local, flag))
+    bad = set()
+    for entries in sums.values():
+        finite = torch.stack([flag for _, _, flag in entries]).tolist()
+        for (name, local, _), ok in zip(entries, finite, strict=True):
+            if not ok and not bool(torch.isfinite(local).all()):
+                bad.add(name)
+    return next((name for name in tensors if name in bad), None)
 
 
 def check_finite(

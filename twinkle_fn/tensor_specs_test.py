@@ -11,6 +11,7 @@ from twinkle_fn.tensor_specs import (
     check_finite,
     check_specs,
     module_specs,
+    nonfinite,
     safetensors_specs,
 )
 
@@ -89,6 +90,17 @@ def test_check_finite_names_the_tensor_and_its_file(tmp_path):
         a[1, 2] = bad
         with pytest.raises(ValueError, match=r"here: tensor 'a' in .*model.safetensors holds NaN"):
             check_finite({**TENSORS, "a": a}, where="here", files=files)
+
+
+def test_nonfinite_tells_an_overflowing_sum_from_a_nonfinite_value():
+    """The fast check sums each tensor: finite values whose sum overflows (two bf16 maxima) are
+    still finite; the first non-finite tensor in the mapping's order is named."""
+    big = torch.full((2,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    assert not torch.isfinite(big.sum())
+    assert nonfinite({"big": big, "h": torch.ones(3, dtype=torch.float16) * 6e4}) is None
+    nan, inf = torch.tensor([1.0, float("nan")]), torch.tensor([float("-inf")])
+    assert nonfinite({"ok": torch.ones(2), "inf": inf, "nan": nan}) == "inf"
+    assert nonfinite({"ids": torch.tensor([1, 2]), "nan": nan.bfloat16()}) == "nan"
 
 
 def test_module_specs_mark_tied_aliases():

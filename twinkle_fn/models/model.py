@@ -208,7 +208,12 @@ def from_pretrained(
             options,
             path,
         )
-    module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # Straight onto the device the module trains on: the bf16 -> float32 cast and the
+    # finiteness check then run there, not on the host.
+    target = device if device is not None else backends.get(backend).module_device()
+    module = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, device_map=str(torch.device(target))
+    )
     if found:
         check_finite(module.state_dict(), where=f"model {path}", files=found)
     return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)

@@ -98,6 +98,7 @@ __all__ = [
     "SliceSource",
     "export_buckets",
     "hf_to_mcore",
+    "iter_hf_to_mcore",
     "join_shards",
     "mcore_to_hf",
     "moe_layers",
@@ -274,6 +275,43 @@ def hf_to_mcore(
     the config field), ranks out of range, and a missing or misshapen HF tensor (naming it);
     ``TypeError`` for an unusable `hf_state`.
     """
+    return dict(
+        iter_hf_to_mcore(
+            hf_state,
+            hf_config,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            etp_rank=etp_rank,
+            etp_size=etp_size,
+            vocab_multiple=vocab_multiple,
+            head=head,
+        )
+    )
+
+
+def iter_hf_to_mcore(
+    hf_state: HFState,
+    hf_config: PretrainedConfig,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int = 1,
+    vocab_multiple: int = 128,
+    head: str = "lm",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_to_mcore`'s ``(megatron name, tensor)`` pairs one at a time, each read when it is
+    asked for, so that a loader holds one converted tensor at a time. The arguments are checked
+    before it returns (raising as `hf_to_mcore` does); a missing or misshapen HF tensor raises
+    when it is reached."""
     rules, model, lay = _layout(
         hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple, head
     )
@@ -282,10 +320,8 @@ def hf_to_mcore(
     _rank("ep_rank", ep_rank, ep_size)
     etp = _etp_rank(tp_rank, etp_rank, lay)
     src = _source(hf_state)
-    return {
-        slot.mcore: _import(src, slot, model, lay, tp_rank, etp)
-        for slot in _slots(rules, model, lay, pp_rank, (ep_rank,))
-    }
+    slots = _slots(rules, model, lay, pp_rank, (ep_rank,))
+    return ((slot.mcore, _import(src, slot, model, lay, tp_rank, etp)) for slot in slots)
 
 
 LocalStates = Mapping[tuple[int, ...], Mapping[str, torch.Tensor]]

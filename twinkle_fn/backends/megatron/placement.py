@@ -11,6 +11,7 @@ it reads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Mapping
@@ -31,7 +32,11 @@ from twinkle_fn.backends.megatron.layer_compile import compile_decoder_layers
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.backends.megatron.model import build_gpt_model
 from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
-from twinkle_fn.backends.megatron.sharding import checkpoint_names, local_weights, vocab_multiple
+from twinkle_fn.backends.megatron.sharding import (
+    checkpoint_names,
+    iter_local_weights,
+    vocab_multiple,
+)
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 from twinkle_fn.tensor_specs import check_finite
@@ -62,6 +67,14 @@ _FIXED_FIELDS = (
     "finalize_model_grads_func",
     "bf16",
     "fp16",
+)
+# Every parameter is overwritten by the HF weights (`load_hf_weights` refuses a missing one), so
+# the stage is built uninitialised, in the compute dtype (what ``Float16Module`` casts it to
+# anyway), directly on the GPU when there is one: megatron's default float32 CPU initialisation
+# of a 4B model draws 16 GB of random numbers on the host and copies them over, most of the
+# 47 s its load took.
+_EMPTY_BUILD = MappingProxyType(
+    dict(perform_initialization=False, use_cpu_initialization=not torch.cuda.is_available())
 )
 # What the models' ``activation_checkpointing=True`` means in megatron's terms.
 _FULL_RECOMPUTE = MappingProxyType(
@@ -140,7 +153,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         value_bias=value_bias(model.config),
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        **overrides,
+        **{**_EMPTY_BUILD, "params_dtype": dtype, **overrides},
     )
     load_hf_weights(gpt, model, mesh, opts.vocab_multiple, initial=True)
     lora = model.options.get("lora")
@@ -276,33 +289,48 @@ def load_hf_weights(
     holds them: a critic loaded from a causal LM's checkpoint has its body in the files and
     its freshly initialised value head in the module (`twinkle_fn.models.from_pretrained`).
 
-    Every slice is read and checked (names, shapes, finiteness, agreed over the ranks) before
-    the first one is written. Raises ``RuntimeError`` when the slices do not fit `gpt` and
-    ``ValueError`` naming the tensor holding NaN or infinity.
+    Slices stream one at a time: each is read from the memory-mapped file straight onto
+    `gpt`'s device, converted there (q/k/v and gate/up fused, the vocabulary padded) and copied
+    into its parameter, so the host holds no copy of the model and nothing waits on the device
+    per tensor; the finiteness of everything loaded is checked at the end with one host sync
+    (agreed over the ranks). `gpt` is fresh, so a refused load leaves nothing behind. Raises
+    ``RuntimeError`` when the slices do not fit `gpt` (naming the missing, unexpected and
+    misshapen ones) and ``ValueError`` naming the tensor holding NaN or infinity.
     """
     rank = dist.get_rank()
-    source = "the model's module"
-    if model.weights_dir is not None:
-        source = f"the HF checkpoint {model.weights_dir}"
-        with SafetensorsReader(model.weights_dir) as reader:
-            held = {n: t for n, t in model.module.state_dict().items() if not t.is_meta}
-            files = _Overlay(reader, held) if initial and held else reader
-            local = local_weights(files, model.config, mesh, rank, vocab_multiple, model.head)
-    else:
-        state = checkpoint_names(model, model.module.state_dict())
-        local = local_weights(state, model.config, mesh, rank, vocab_multiple, model.head)
     own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("._extra_state")}
-    missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
-    misshapen = [k for k in own.keys() & local.keys() if own[k].shape != local[k].shape]
+    device = next(iter(own.values())).device
+    loaded: dict[str, Tensor] = {}
+    unexpected: list[str] = []
+    misshapen: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    with contextlib.ExitStack() as stack:
+        if model.weights_dir is not None:
+            source = f"the HF checkpoint {model.weights_dir}"
+            hf: Any = stack.enter_context(SafetensorsReader(model.weights_dir, device))
+            held = {n: t for n, t in model.module.state_dict().items() if not t.is_meta}
+            if initial and held:
+                hf = _Overlay(hf, held)
+        else:
+            source = "the model's module"
+            hf = checkpoint_names(model, model.module.state_dict())
+        weights = iter_local_weights(hf, model.config, mesh, rank, vocab_multiple, model.head)
+        with torch.no_grad():
+            for name, tensor in weights:
+                dst = own.get(name)
+                if dst is None:
+                    unexpected.append(name)
+                elif dst.shape != tensor.shape:
+                    misshapen.append((name, tuple(tensor.shape), tuple(dst.shape)))
+                else:
+                    dst.copy_(tensor)
+                    loaded[name] = dst
+    missing = sorted(set(own) - set(loaded) - {n for n, _, _ in misshapen})
     if missing or unexpected or misshapen:
         raise RuntimeError(
             f"the HF weights of {source} do not fit the megatron model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}, other shapes "
-            f"{[(k, tuple(local[k].shape), tuple(own[k].shape)) for k in misshapen[:3]]}"
+            f"unexpected {sorted(unexpected)[:5]}, other shapes {misshapen[:3]}"
         )
-    device = next(iter(own.values())).device
-    check_finite(local, where=f"{source} (megatron slices)", device=device)
-    gpt.load_state_dict(local, strict=False)
+    check_finite(loaded, where=f"{source} (megatron slices)", device=device)
 
 
 class _Overlay:

@@ -1,9 +1,9 @@
 """HF safetensors checkpoints: lazy, sliceable reads and sharded writes that ``from_pretrained`` loads.
 
 `SafetensorsReader` maps tensor names to files (``model.safetensors`` or the sharded
-``model.safetensors.index.json``) and reads through ``safe_open(...).get_slice``, so a
+``model.safetensors.index.json``) and reads through ``safe_open``'s memory-mapped tensors, so a
 tensor-parallel rank can read rows ``[a:b)`` of a tensor without materialising the rest of it
-(the files are memory-mapped; only the touched pages are read). `save_hf` writes a stream of
+(only the touched pages are read, by one copy to the reader's device). `save_hf` writes a stream of
 ``(name, tensor)`` pairs as size-bounded shards with the index and ``config.json`` that
 transformers expects.
 """
@@ -34,12 +34,18 @@ class SafetensorsReader:
     """Read-only, lazy access to the tensors of an HF checkpoint directory.
 
     Opens ``model.safetensors.index.json`` when present, else ``model.safetensors``; files are
-    opened on first use and kept open until `close` (or the end of a ``with`` block). Raises
-    ``ValueError`` when the directory holds neither file.
+    opened on first use and kept open until `close` (or the end of a ``with`` block). Tensors
+    read come back on `device` (default the CPU): each read is one copy from the memory-mapped
+    file straight to the device, so that what is done with them next (fusing q/k/v, padding the
+    vocabulary, checking finiteness) runs there. Raises ``ValueError`` when the directory
+    holds neither file.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], device: torch.device | str | None = None
+    ) -> None:
         self.directory = Path(directory)
+        self.device = torch.device(device or "cpu")
         self._handles: dict[Path, Any] = {}
         index, single = self.directory / INDEX_FILE, self.directory / SINGLE_FILE
         if index.is_file():
@@ -78,24 +84,26 @@ class SafetensorsReader:
         return tuple(self._file(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        """The whole tensor `name` (a new CPU tensor). Raises ``KeyError`` if absent."""
-        return self._file(name).get_tensor(name)
+        """The whole tensor `name` (on the reader's device). Raises ``KeyError`` if absent."""
+        return self._file(name).get_tensor(name).to(self.device)
 
     def get_rows(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Indices ``[start, stop)`` of tensor `name` along `dim`, everything along other dims.
 
-        Reads only that slice from the file. Raises ``KeyError`` if `name` is absent and
-        ``ValueError`` if `dim` or the range does not fit the tensor's shape.
+        Reads only that slice from the file (onto the reader's device). Raises ``KeyError`` if
+        `name` is absent and ``ValueError`` if `dim` or the range does not fit the tensor's shape.
         """
-        part = self._file(name).get_slice(name)
-        shape = part.get_shape()
+        shape = self._file(name).get_slice(name).get_shape()
         if not 0 <= dim < len(shape):
             raise ValueError(f"dim {dim} is out of range for {name!r} of shape {shape}")
         if not 0 <= start <= stop <= shape[dim]:
             raise ValueError(
                 f"rows [{start}, {stop}) are out of range for dim {dim} of {name!r} (shape {shape})"
             )
-        return part[(slice(None),) * dim + (slice(start, stop),)]
+        # A view of the memory-mapped tensor: only the pages of the rows are read, once, by the
+        # copy to the device (along dim 0 they are contiguous).
+        whole = self._file(name).get_tensor(name)
+        return whole.narrow(dim, start, stop - start).to(self.device)
 
     def close(self) -> None:
         """Release the open files; later reads reopen them."""

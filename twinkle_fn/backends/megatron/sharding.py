@@ -9,14 +9,14 @@ be computed on one process).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.core_model_loading import revert_weight_conversion
 
-from twinkle_fn.backends.megatron.bridge import HFState, hf_to_mcore, mcore_to_hf
+from twinkle_fn.backends.megatron.bridge import HFState, iter_hf_to_mcore, mcore_to_hf
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.model import Model
 
@@ -46,8 +46,22 @@ def local_weights(
     in HF checkpoint names; `multiple` is the vocabulary padding unit (`vocab_multiple`);
     `head` the model's (`twinkle_fn.models.model.HEADS`). Raises ``ValueError`` for a `rank` outside `mesh` and as ``hf_to_mcore`` does.
     """
+    return dict(iter_local_weights(source, config, mesh, rank, multiple, head))
+
+
+def iter_local_weights(
+    source: HFState,
+    config: PretrainedConfig,
+    mesh: Mesh,
+    rank: int,
+    multiple: int,
+    head: str = "lm",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`local_weights` one ``(megatron name, tensor)`` at a time, each read when asked for
+    (`bridge.iter_hf_to_mcore`). Raises as `local_weights` does (a missing or misshapen HF
+    tensor when it is reached)."""
     coords, expert = mesh.coords(rank), mesh.expert_coords(rank)
-    return hf_to_mcore(
+    return iter_hf_to_mcore(
         source,
         config,
         tp_rank=coords["tp"],
