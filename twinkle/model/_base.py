@@ -309,6 +309,7 @@ class TrainableModel(abc.ABC):
         save_optimizer: bool = False,
         consumed_train_samples: int = 0,
         adapter_name: str | None = None,
+        merge_lora: bool = False,
     ) -> str | None:
         """Save to ``output_dir/name`` (default ``output/checkpoint-step-<steps>``) when the
         step count is a multiple of `interval`; returns the path (None when skipped).
@@ -318,8 +319,11 @@ class TrainableModel(abc.ABC):
         `MegatronModel` megatron's dist checkpoint, loadable on another tp / pp / dp mesh). An
         adapter is a peft directory (``adapter_config.json``, ``adapter_model.safetensors``,
         tokenizer), plus with `save_optimizer` a ``train_state/`` checkpoint to resume from.
-        Every rank must call it. Raises ``ValueError`` for an unknown adapter and an
-        `interval` that is not a positive int (before anything is built or written).
+        With `merge_lora`, an adapter is saved merged into the base weights instead: a plain HF
+        model directory (upstream's ``save(..., merge_lora=True)``), plus its ``train_state/``
+        with `save_optimizer`; without an adapter it changes nothing. Every rank must call
+        it. Raises ``ValueError`` for an unknown adapter and an `interval` that is not a
+        positive int (before anything is built or written).
         """
         _checkpoint.check_interval(interval)
         g = self._resolve(adapter_name)
@@ -328,7 +332,8 @@ class TrainableModel(abc.ABC):
         if path is None:
             return None
         tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
-        _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
+        write = _checkpoint.save_merged if merge_lora and g.name else _checkpoint.save
+        write(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
         return str(path)
 
     @remote_function(execute="all", sync=True)
