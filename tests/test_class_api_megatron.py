@@ -218,15 +218,32 @@ def _lora(model_dir, out_dir):
         frozen_changed=frozen_changed,
         logits=_logits(model),
         path=model.save("adapter", output_dir=out_dir),
+        resumable=_resumable(model, out_dir),
         errors=[
             _error(lambda: model.add_adapter_to_model("second", LORA)),
-            _error(lambda: model.save(output_dir=out_dir, save_optimizer=True)),
             _error(lambda: model.load("adapter", output_dir=out_dir)),
             _error(lambda: model.get_state_dict(adapter_name="other")),
         ],
     )
     parallel.destroy()
     return run
+
+
+def _resumable(model, out_dir):
+    """Save the adapter with its training state, train one more step, resume: the files, what
+    resume returns, and whether the adapter is back to the saved one."""
+    path = model.save("state", output_dir=out_dir, save_optimizer=True, consumed_train_samples=6)
+    saved = model.get_state_dict(adapter_name="default")
+    _train(model, _micro_batches()[:GAS])
+    moved = model.get_state_dict(adapter_name="default")
+    progress = model.resume_from_checkpoint(path)
+    back = model.get_state_dict(adapter_name="default")
+    return dict(
+        files=sorted(p.name for p in Path(path).iterdir()),
+        progress=progress,
+        moved=any(not torch.equal(moved[k], saved[k]) for k in saved),
+        back=all(torch.equal(back[k], saved[k]) for k in saved),
+    )
 
 
 OFFLOAD = dict(param_offload=True, grad_offload=True, optimizer_offload=True)
@@ -393,12 +410,24 @@ def test_lora_adapter_trains_alone_and_loads_in_peft(runs):
     assert (logits - base).abs().max() > 1e-3  # the adapter was applied, not skipped
 
 
+def test_lora_training_state_saves_and_resumes(runs):
+    """save(save_optimizer=True) with an adapter writes it and its training state;
+    resume_from_checkpoint brings a model trained on since back to it."""
+    resumable = runs[2]["lora"]["resumable"]
+    assert "train_state" in resumable["files"] and "adapter_model.safetensors" in resumable["files"]
+    assert resumable["progress"] == {
+        "cur_step": STEPS,
+        "consumed_train_samples": 6,
+        "gradient_accumulation_steps": GAS,
+    }
+    assert resumable["moved"] and resumable["back"]
+
+
 def test_lora_misuse_is_refused_after_training(runs):
     _, _, extra = runs
-    second, save_optimizer, load, unknown = extra["lora"]["errors"]
+    second, load, unknown = extra["lora"]["errors"]
     assert "one LoRA adapter per model" in second
-    assert "save_optimizer=True with adapter 'default'" in save_optimizer
-    assert "loading adapters into MegatronModel is not supported yet" in load
+    assert "loading adapter weights alone into MegatronModel is not supported yet" in load
     assert "adapter 'other' does not exist" in unknown
 
 

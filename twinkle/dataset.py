@@ -225,6 +225,61 @@ class Dataset:
             raise ValueError("encode needs a template; call set_template('Template', model_id=...)")
         return self.template
 
+    @remote_function(execute="first")
+    def save_as(
+        self,
+        output_path: str | os.PathLike[str],
+        format: str | None = None,
+        batch_size: int = 1000,
+        mode: str = "immediate",
+        **kwargs: Any,
+    ) -> None:
+        """Write the rows served (after every map, filter and encode) to `output_path`, as
+        upstream's ``save_as``: ``'jsonl'`` and ``'json'`` one JSON object per line, ``'csv'``
+        a header of the columns then one line per row (a list or dict value as its JSON).
+        `format` defaults to the path's extension (``.jsonl``/``.json``/``.csv``; others:
+        jsonl). The file is written whole, then renamed into place. `batch_size` is accepted
+        (rows are in memory).
+
+        Raises ``ValueError`` for a Dataset without a source, ``'parquet'`` (it needs
+        pyarrow, not a dependency), another format, ``mode='training'`` (upstream's write-through while training is not
+        provided), and ``TypeError`` for other keyword arguments (upstream passes them to
+        ``datasets``' writers).
+        """
+        if kwargs:
+            raise TypeError(f"save_as() got unsupported arguments {sorted(kwargs)}")
+        if not self.datasets:
+            raise ValueError(
+                "No dataset to save: this Dataset has no source; build it with "
+                "Dataset(DatasetMeta(...)) or add_dataset(...) first"
+            )
+        if mode != "immediate":
+            raise ValueError(
+                f"save_as(mode={mode!r}): only mode='immediate' (write the rows now) is "
+                "provided; call save_as after training instead of mode='training'"
+            )
+        path = Path(output_path)
+        fmt = format or _FORMATS.get(path.suffix.lstrip(".").lower(), "jsonl")
+        if fmt == "parquet":
+            raise ValueError(
+                f"save_as({str(path)!r}, format='parquet'): parquet needs pyarrow, which this "
+                "build does not depend on; save as jsonl, json or csv"
+            )
+        if fmt not in ("jsonl", "json", "csv"):
+            raise ValueError(f"save_as: Unsupported format {fmt!r}; use jsonl, json or csv")
+        rows = list(self) if isinstance(self, TorchIterableDataset) else self[0 : len(self)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(staging, "w", encoding="utf-8", newline="") as f:
+                if fmt == "csv":
+                    _write_csv(f, rows)
+                else:
+                    f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            os.replace(staging, path)
+        finally:
+            staging.unlink(missing_ok=True)
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -367,6 +422,23 @@ class PackingDataset(Dataset):
             else:
                 out[key] = values
         return out
+
+
+# save_as: a file extension -> its format (upstream's; others are jsonl)
+_FORMATS = {"jsonl": "jsonl", "json": "json", "csv": "csv", "parquet": "parquet", "pq": "parquet"}
+
+
+def _write_csv(f: io.TextIOBase, rows: list[Row]) -> None:
+    """`rows` as CSV into `f`: every column any row has, in first-seen order; a list or dict
+    value as its JSON, a missing one empty."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    writer = csv.writer(f)
+    writer.writerow(columns)
+    for row in rows:
+        values = [row.get(c, "") for c in columns]
+        writer.writerow(
+            json.dumps(v, ensure_ascii=False) if isinstance(v, list | dict) else v for v in values
+        )
 
 
 def make_template(template_cls: Template | type | str, **kwargs: Any) -> Template:

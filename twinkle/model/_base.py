@@ -44,8 +44,8 @@ class TrainableModel(abc.ABC):
     """The training calls, settings and checkpoints that both model classes share."""
 
     # Feature -> why this class refuses it, for `_check_supported`: ``second_adapter``,
-    # ``adapter_dir`` (continuing an adapter from a peft directory), ``adapter_load``,
-    # ``adapter_state`` (an adapter's training state, save_optimizer=True).
+    # ``adapter_dir`` (continuing an adapter from a peft directory), ``adapter_load`` (an
+    # adapter's weights alone).
     _REFUSED: ClassVar[Mapping[str, str]] = {}
 
     def __init__(
@@ -309,6 +309,7 @@ class TrainableModel(abc.ABC):
         save_optimizer: bool = False,
         consumed_train_samples: int = 0,
         adapter_name: str | None = None,
+        merge_lora: bool = False,
     ) -> str | None:
         """Save to ``output_dir/name`` (default ``output/checkpoint-step-<steps>``) when the
         step count is a multiple of `interval`; returns the path (None when skipped).
@@ -318,21 +319,21 @@ class TrainableModel(abc.ABC):
         `MegatronModel` megatron's dist checkpoint, loadable on another tp / pp / dp mesh). An
         adapter is a peft directory (``adapter_config.json``, ``adapter_model.safetensors``,
         tokenizer), plus with `save_optimizer` a ``train_state/`` checkpoint to resume from.
-        Every rank must call it. Raises ``ValueError`` for an unknown adapter, and for
-        `save_optimizer` with an adapter where the class refuses it (`MegatronModel`), and an
-        `interval` that is not a positive int (before anything is built or written).
+        With `merge_lora`, an adapter is saved merged into the base weights instead: a plain HF
+        model directory (upstream's ``save(..., merge_lora=True)``), plus its ``train_state/``
+        with `save_optimizer`; without an adapter it changes nothing. Every rank must call
+        it. Raises ``ValueError`` for an unknown adapter and an `interval` that is not a
+        positive int (before anything is built or written).
         """
         _checkpoint.check_interval(interval)
         g = self._resolve(adapter_name)
-        if g.name and save_optimizer:
-            context = f"save_optimizer=True with adapter {g.name!r}"
-            self._check_supported("adapter_state", context)
         state = self._ensure_state(g)
         path = _checkpoint.save_path(state, name, output_dir, interval)
         if path is None:
             return None
         tokenizer = _inputs.tokenizer(g, self.tokenizer_id)
-        _checkpoint.save(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
+        write = _checkpoint.save_merged if merge_lora and g.name else _checkpoint.save
+        write(state, path, g, tokenizer, save_optimizer, consumed_train_samples)
         return str(path)
 
     @remote_function(execute="all", sync=True)
@@ -348,10 +349,11 @@ class TrainableModel(abc.ABC):
         the top of the directory, any HF checkpoint of this model; or the adapter's), keeping
         the optimizer state and step. With it: the whole training state (weights, optimizer,
         step). Every rank must call it. Raises ``ValueError`` for a missing or incompatible
-        checkpoint, and for an adapter where the class refuses loading one (`MegatronModel`).
+        checkpoint, and for an adapter's weights alone where the class refuses loading them
+        (`MegatronModel`, without `load_optimizer`).
         """
         g = self._resolve(adapter_name)
-        if g.name:
+        if g.name and not load_optimizer:
             self._check_supported("adapter_load", f"load with adapter {g.name!r}")
         path = _checkpoint.checkpoint_dir(name, output_dir)
         state = self._ensure_state(g)

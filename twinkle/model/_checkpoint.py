@@ -8,6 +8,7 @@ is saved, a ``train_state/`` checkpoint next to it to resume from.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -15,12 +16,14 @@ from typing import Any
 
 import torch
 from peft import LoraConfig
+from safetensors.torch import save_file
 
 import twinkle_fn as tf
 from twinkle.device_mesh import current_rank
 from twinkle.model._group import Group
 
 TRAIN_STATE_DIR = "train_state"  # next to a saved adapter: its optimizer state and step
+SAFE_INDEX = "model.safetensors.index.json"  # transformers' name for a sharded model's index
 RESUME_KEYS = ("cur_step", "consumed_train_samples", "gradient_accumulation_steps")
 
 
@@ -73,6 +76,45 @@ def save(
             tf.checkpoint.save_into(state, directory / TRAIN_STATE_DIR, extra=extra)
         if tokenizer is not None and current_rank() == 0:
             tokenizer.save_pretrained(directory)
+
+
+def save_merged(
+    state: tf.TrainState,
+    path: Path,
+    g: Group,
+    tokenizer: Any,
+    save_optimizer: bool,
+    consumed_train_samples: int,
+) -> None:
+    """Write `state`'s model with group `g`'s adapter merged into its weights (``W + scaling *
+    B @ A``, in the parameters' dtype) as an HF model directory at `path` (``config.json``,
+    safetensors shards, one per exported bucket, with their index; the tokenizer), which ``from_pretrained`` loads as a
+    plain model; with `save_optimizer` also the adapter's ``train_state/`` (as `save`). One
+    atomic switch, as `save`. Every rank must call it (the weights are gathered)."""
+    config = state.model.config
+    dtype = next(iter(state.params.values())).dtype  # the model's (the adapters share it)
+    with tf.checkpoint.staged(path) as directory:
+        weight_map: dict[str, str] = {}
+        buckets = tf.export_weights(state, dtype=dtype, lora="merged")
+        for i, bucket in enumerate(buckets):
+            file = f"model-{i + 1:05d}.safetensors"
+            if current_rank() == 0:
+                tensors = {name: t.detach().cpu().contiguous() for name, t in bucket}
+                save_file(tensors, directory / file, metadata={"format": "pt"})
+            weight_map.update((name, file) for name, _ in bucket)
+        if current_rank() == 0:
+            config.save_pretrained(directory)
+            index = {"metadata": {}, "weight_map": weight_map}
+            (directory / SAFE_INDEX).write_text(json.dumps(index, indent=2))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+        if save_optimizer:
+            extra = {
+                "cur_step": int(state.step),
+                "consumed_train_samples": consumed_train_samples,
+                "gradient_accumulation_steps": g.gradient_accumulation_steps,
+            }
+            tf.checkpoint.save_into(state, directory / TRAIN_STATE_DIR, extra=extra)
 
 
 def checkpoint_dir(name: str | os.PathLike[str], output_dir: Any) -> Path:

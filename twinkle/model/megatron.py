@@ -29,10 +29,12 @@ come from the same model with its adapter off (``forward_only(disable_lora=True)
 
 What both model classes share (step gating, metrics, settings, checkpoints) is in
 `twinkle.model._base.TrainableModel`; what this class refuses of it is `MegatronModel._REFUSED`.
+An adapter saved with ``save_optimizer=True`` carries its training state (``train_state/``, a
+megatron dist checkpoint of the adapters and their optimizer state), which
+``resume_from_checkpoint`` (or ``load(..., load_optimizer=True)``) restores on any mesh.
 Not wired: ``forward``/``calculate_loss``/``backward`` (upstream raises too); continuing an
-adapter from a peft directory, loading an adapter, and training states of adapters
-(``save_optimizer=True``): the core's megatron backend does not read adapters back nor
-dist-checkpoint LoRA states yet.
+adapter from a peft directory and loading an adapter's weights alone: the core's megatron
+backend does not read peft adapter files back yet.
 """
 
 from __future__ import annotations
@@ -161,12 +163,10 @@ class MegatronModel(TrainableModel):
             "yet; pass a LoraConfig (a new adapter), or continue it with TransformersModel"
         ),
         "adapter_load": (
-            "loading adapters into MegatronModel is not supported yet; load full-model "
-            "checkpoints into a MegatronModel without one"
-        ),
-        "adapter_state": (
-            "training states (dist checkpoints) of megatron LoRA adapters are not supported "
-            "yet; save the adapter with save_optimizer=False"
+            "loading adapter weights alone into MegatronModel is not supported yet; resume "
+            "its training state (saved with save_optimizer=True) with load_optimizer=True or "
+            "resume_from_checkpoint, or load full-model checkpoints into a MegatronModel "
+            "without one"
         ),
     }
 

@@ -14,6 +14,12 @@ into place:
 - the full HF weights (``model.safetensors`` + ``config.json``), gathered across tp / pp / ep by
   the backend's ``unshard``, so ``AutoModelForCausalLM.from_pretrained(dir)`` loads them.
 
+A state that trains LoRA adapters saves what it trains: ``megatron/`` holds the adapters'
+tensors alone (the frozen base weights are the model's own, loaded from its directory), with
+their optimizer state, and the HF part is the peft adapter (``adapter_config.json``,
+``adapter_model.safetensors``), so ``PeftModel.from_pretrained(hf_model, dir)`` loads it. It
+loads back into a state built from the same model and LoRA config, on any mesh.
+
 `load` restores model and optimizer on any mesh: megatron-core cuts each rank's shards out of
 the saved tensors. RNG states (torch's CPU and CUDA generators, megatron's tracked tensor- and
 expert-parallel streams) belong to one rank of one mesh: they are restored only when the state's
@@ -55,6 +61,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from torch import Tensor
 
+from twinkle_fn.backends.megatron.lora import adapter_state_dict
 from twinkle_fn.backends.megatron.optimizer import MegatronOptState, refresh_slots
 from twinkle_fn.backends.megatron.placement import (
     MegatronPlacement,
@@ -64,6 +71,7 @@ from twinkle_fn.backends.megatron.placement import (
 from twinkle_fn.backends.megatron.safetensors_io import save_hf
 from twinkle_fn.backends.megatron.sharding import checkpoint_names
 from twinkle_fn.backends.megatron.weights import full_weights, settle
+from twinkle_fn.lora import write_adapter_into
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.state import TrainState
 from twinkle_fn.tensor_specs import (
@@ -85,9 +93,8 @@ def save(state: TrainState, directory: str | Path) -> None:
     """Write `state`'s megatron checkpoint and its full HF weights into `directory`.
 
     A collective: every rank calls it with the same existing `directory`; rank 0 writes the
-    HF files. Raises ``ValueError`` for a state whose optimizer is not
-    `twinkle_fn.backends.megatron.megatron_optimizer` or that trains LoRA adapters (save those
-    with `twinkle_fn.backends.megatron.lora.save_adapter`).
+    HF files (the peft adapter, for a state that trains LoRA adapters). Raises ``ValueError``
+    for a state whose optimizer is not `twinkle_fn.backends.megatron.megatron_optimizer`.
     """
     placement, opt = _checked(state)
     directory = Path(directory)
@@ -95,7 +102,7 @@ def save(state: TrainState, directory: str | Path) -> None:
     if dist.get_rank() == 0:
         target.mkdir()
     dist.barrier()
-    model = placement.module.sharded_state_dict()
+    model = _trained(placement)
     sharded = {
         "model": model,
         "optimizer": {
@@ -113,6 +120,10 @@ def save(state: TrainState, directory: str | Path) -> None:
         },
     }
     dist_checkpointing.save(sharded, str(target), TorchDistSaveShardedStrategy())
+    if placement.lora is not None:
+        config, hf_config = placement.lora.config, placement.hf_config
+        write_adapter_into(config, hf_config, adapter_state_dict(state), directory)
+        return
     weights = full_weights(state)
     if dist.get_rank() == 0:
         save_hf(directory, weights.items(), placement.hf_config)
@@ -141,7 +152,7 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
             f"{directory}: megatron checkpoint format {meta['format']} is not {FORMAT}"
         )
     same_mesh = Mesh(**meta["mesh"]) == placement.mesh
-    model = placement.module.sharded_state_dict()
+    model = _trained(placement)
     sharded: dict[str, Any] = {
         # read into fresh tensors: the model's own are written only once all is checked
         "model": _scratch(model),
@@ -156,7 +167,8 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
     tensors.update(_tensors(loaded["optimizer"]["params"], "optimizer."))
     check_finite(tensors, where=f"checkpoint {directory}", device=device)
     # Everything is read and checked: from here on nothing refuses.
-    placement.module.load_state_dict(loaded["model"])
+    # with adapters, the frozen base weights are not in the checkpoint and stay as loaded
+    placement.module.load_state_dict(loaded["model"], strict=placement.lora is None)
     _load_optimizer(placement, opt, loaded["optimizer"])
     if same_mesh:
         _set_rng_states(loaded[_RNG_KEY])
@@ -173,19 +185,28 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
 def hf_specs(state: TrainState) -> tuple[dict[str, TensorSpec], frozenset[str]]:
     """What `save` writes to the HF files of `state`: HF checkpoint names (MoE experts one per
     expert) with whole shapes, in the megatron parameters' dtype, and the tied aliases a
-    checkpoint may hold or omit. Raises ``ValueError`` for a model training LoRA adapters
-    (neither saved nor loaded as HF files on this backend)."""
+    checkpoint may hold or omit; for a state that trains LoRA adapters, the peft adapter file's
+    tensors (a collective: the adapter is gathered)."""
     placement = model_placement(state.model)
     if placement.lora is not None:
-        raise ValueError(
-            "megatron states that train LoRA adapters load no HF checkpoint; save and load "
-            "the adapter with twinkle_fn.backends.megatron.lora.save_adapter(state, path)"
-        )
+        adapter = adapter_state_dict(state)
+        return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in adapter.items()}, frozenset()
     specs, aliases = module_specs(state.model.module)
     meta = {n: torch.empty(s.shape, dtype=s.dtype, device="meta") for n, s in specs.items()}
     dtype = next(placement.module.parameters()).dtype
     on_disk = checkpoint_names(state.model, meta)
     return {n: TensorSpec(tuple(t.shape), dtype) for n, t in on_disk.items()}, aliases
+
+
+def _trained(placement: MegatronPlacement) -> dict[str, Any]:
+    """The module's sharded state dict; with LoRA adapters, their tensors alone (what the
+    state trains: the base weights are frozen and come from the model's directory)."""
+    model = placement.module.sharded_state_dict()
+    if placement.lora is None:
+        return model
+    trained = {id(p) for p in placement.module.parameters() if p.requires_grad}
+    kinds = ShardedTensor | ShardedTensorFactory
+    return {k: v for k, v in model.items() if isinstance(v, kinds) and id(v.data) in trained}
 
 
 def _scratch(model: dict[str, Any]) -> dict[str, Any]:
@@ -244,11 +265,6 @@ def _checked(state: TrainState) -> tuple[MegatronPlacement, MegatronOptState]:
     """`state`'s placement and optimizer state, if this module can checkpoint them, with the
     parameters settled (no all-gather in flight to be read or overwritten)."""
     placement = model_placement(state.model)
-    if placement.lora is not None:
-        raise ValueError(
-            "megatron checkpoints of LoRA states are not supported; save the adapter with "
-            "twinkle_fn.backends.megatron.lora.save_adapter(state, path)"
-        )
     if not isinstance(state.opt_state, MegatronOptState):
         raise ValueError(
             "checkpoints of megatron states need the state of "

@@ -23,7 +23,9 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     get_cuda_rng_tracker,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from peft import LoraConfig
 from torch import Tensor
 
@@ -57,6 +59,8 @@ class LoraParallelLinear(MegatronModule):
         super().__init__(config=base.config)
         self.base_layer = base
         self.column = rule.tp_dim == 0
+        # megatron fuses [gate; up] per tp rank: a checkpoint stores its rows as two tensors
+        self.gate_up = rule.transform == "gate_up"
         mc, r = base.config, config.r
         tp = parallel_state.get_tensor_model_parallel_world_size()
         out_local, in_local = base.weight.shape
@@ -106,6 +110,28 @@ class LoraParallelLinear(MegatronModule):
             a = tp_shard(a, 1, rank, tp)
         self.lora_A.weight.copy_(a)
         self.lora_B.weight.copy_(b)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """Megatron's sharded state dict of the base layer and the factors; a fused
+        ``[gate; up]`` linear's tp-split tensors (the base weight and ``lora_B``) go through
+        megatron's SwiGLU factory, as its MLP does for ``linear_fc1.weight``, so a checkpoint
+        loads on another tp size."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if not self.gate_up:
+            return sd
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton = metadata.get("singleton_local_shards", False)
+        for name in ("base_layer.weight", "lora_B.weight"):
+            sd[prefix + name] = apply_swiglu_sharded_factory(
+                sd[prefix + name],
+                sharded_offsets,
+                singleton,
+                tp_group=getattr(self.base_layer, "tp_group", None),
+                dp_group=metadata["dp_cp_group"],
+            )
+        return sd
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         """The base's ``(output, bias)`` with the low-rank update added to the output (the
