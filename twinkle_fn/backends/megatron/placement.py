@@ -143,7 +143,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         fp16=dtype == torch.float16,
         **{**_EMPTY_BUILD, "params_dtype": dtype, **overrides},
     )
-    load_hf_weights(gpt, model, mesh, opts.vocab_multiple)
+    load_hf_weights(gpt, model, mesh, opts.vocab_multiple, fresh=True)
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
@@ -266,23 +266,27 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
         )
 
 
-def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int) -> None:
+def load_hf_weights(
+    gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int, *, fresh: bool = False
+) -> None:
     """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
     the model has a ``weights_dir``, else from its module, in HF checkpoint names), cut by
     `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes.
 
     Slices stream one at a time: each is read from the memory-mapped file straight onto
-    `gpt`'s device, converted there (q/k/v and gate/up fused, the vocabulary padded) and copied
-    into its parameter, so the host holds no copy of the model and nothing waits on the device
-    per tensor; the finiteness of everything loaded is checked at the end with one host sync
-    (agreed over the ranks). `gpt` is fresh, so a refused load leaves nothing behind. Raises
-    ``RuntimeError`` when the slices do not fit `gpt` (naming the missing, unexpected and
-    misshapen ones) and ``ValueError`` naming the tensor holding NaN or infinity.
+    `gpt`'s device and converted there (q/k/v and gate/up fused, the vocabulary padded), and
+    their finiteness is checked with one host sync at the end (agreed over the ranks). A
+    `fresh` `gpt` (being built: nothing else can see it) takes each slice as it arrives, so no
+    second copy of the model is held and a refused load leaves nothing behind; otherwise (a
+    live state's model) every slice is read and checked before the first is written, so a
+    refused load leaves `gpt` as it was. Raises ``RuntimeError`` when the slices do not fit
+    `gpt` (naming the missing, unexpected and misshapen ones) and ``ValueError`` naming the
+    tensor holding NaN or infinity.
     """
     rank = dist.get_rank()
     own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("._extra_state")}
     device = next(iter(own.values())).device
-    loaded: dict[str, Tensor] = {}
+    slices: dict[str, Tensor] = {}  # what was read: the parameters themselves when fresh
     unexpected: list[str] = []
     misshapen: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     with contextlib.ExitStack() as stack:
@@ -299,16 +303,21 @@ def load_hf_weights(gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multip
                     unexpected.append(name)
                 elif dst.shape != tensor.shape:
                     misshapen.append((name, tuple(tensor.shape), tuple(dst.shape)))
+                elif fresh:
+                    slices[name] = dst.copy_(tensor)
                 else:
-                    dst.copy_(tensor)
-                    loaded[name] = dst
-    missing = sorted(set(own) - set(loaded) - {n for n, _, _ in misshapen})
+                    slices[name] = tensor
+    missing = sorted(set(own) - set(slices) - {n for n, _, _ in misshapen})
     if missing or unexpected or misshapen:
         raise RuntimeError(
             f"the HF weights of {source} do not fit the megatron model: missing {missing[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}, other shapes {misshapen[:3]}"
         )
-    check_finite(loaded, where=f"{source} (megatron slices)", device=device)
+    check_finite(slices, where=f"{source} (megatron slices)", device=device)
+    if not fresh:
+        with torch.no_grad():
+            for name, tensor in slices.items():
+                own[name].copy_(tensor)
 
 
 def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module, opts: _Options) -> DistributedDataParallel:
