@@ -155,7 +155,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         fp16=dtype == torch.float16,
         **{**_EMPTY_BUILD, "params_dtype": dtype, **overrides},
     )
-    load_hf_weights(gpt, model, mesh, opts.vocab_multiple, initial=True)
+    load_hf_weights(gpt, model, mesh, opts.vocab_multiple, fresh=True)
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
@@ -280,27 +280,29 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
 
 
 def load_hf_weights(
-    gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int, *, initial: bool = False
+    gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int, *, fresh: bool = False
 ) -> None:
     """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
     the model has a ``weights_dir``, else from its module, in HF checkpoint names), cut by
-    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes. With `initial`
-    (the first load of a model), tensors the files lack are read from the module where it
+    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes. On a `fresh` `gpt`
+    (the model's first load), tensors the files lack are read from the module where it
     holds them: a critic loaded from a causal LM's checkpoint has its body in the files and
     its freshly initialised value head in the module (`twinkle_fn.models.from_pretrained`).
 
     Slices stream one at a time: each is read from the memory-mapped file straight onto
-    `gpt`'s device, converted there (q/k/v and gate/up fused, the vocabulary padded) and copied
-    into its parameter, so the host holds no copy of the model and nothing waits on the device
-    per tensor; the finiteness of everything loaded is checked at the end with one host sync
-    (agreed over the ranks). `gpt` is fresh, so a refused load leaves nothing behind. Raises
-    ``RuntimeError`` when the slices do not fit `gpt` (naming the missing, unexpected and
-    misshapen ones) and ``ValueError`` naming the tensor holding NaN or infinity.
+    `gpt`'s device and converted there (q/k/v and gate/up fused, the vocabulary padded), and
+    their finiteness is checked with one host sync at the end (agreed over the ranks). A
+    `fresh` `gpt` (being built: nothing else can see it) takes each slice as it arrives, so no
+    second copy of the model is held and a refused load leaves nothing behind; otherwise (a
+    live state's model) every slice is read and checked before the first is written, so a
+    refused load leaves `gpt` as it was. Raises ``RuntimeError`` when the slices do not fit
+    `gpt` (naming the missing, unexpected and misshapen ones) and ``ValueError`` naming the
+    tensor holding NaN or infinity.
     """
     rank = dist.get_rank()
     own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("._extra_state")}
     device = next(iter(own.values())).device
-    loaded: dict[str, Tensor] = {}
+    slices: dict[str, Tensor] = {}  # what was read: the parameters themselves when fresh
     unexpected: list[str] = []
     misshapen: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     with contextlib.ExitStack() as stack:
@@ -308,7 +310,7 @@ def load_hf_weights(
             source = f"the HF checkpoint {model.weights_dir}"
             hf: Any = stack.enter_context(SafetensorsReader(model.weights_dir, device))
             held = {n: t for n, t in model.module.state_dict().items() if not t.is_meta}
-            if initial and held:
+            if fresh and held:
                 hf = _Overlay(hf, held)
         else:
             source = "the model's module"
@@ -321,16 +323,21 @@ def load_hf_weights(
                     unexpected.append(name)
                 elif dst.shape != tensor.shape:
                     misshapen.append((name, tuple(tensor.shape), tuple(dst.shape)))
+                elif fresh:
+                    slices[name] = dst.copy_(tensor)
                 else:
-                    dst.copy_(tensor)
-                    loaded[name] = dst
-    missing = sorted(set(own) - set(loaded) - {n for n, _, _ in misshapen})
+                    slices[name] = tensor
+    missing = sorted(set(own) - set(slices) - {n for n, _, _ in misshapen})
     if missing or unexpected or misshapen:
         raise RuntimeError(
             f"the HF weights of {source} do not fit the megatron model: missing {missing[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}, other shapes {misshapen[:3]}"
         )
-    check_finite(loaded, where=f"{source} (megatron slices)", device=device)
+    check_finite(slices, where=f"{source} (megatron slices)", device=device)
+    if not fresh:
+        with torch.no_grad():
+            for name, tensor in slices.items():
+                own[name].copy_(tensor)
 
 
 class _Overlay:
