@@ -251,9 +251,9 @@ class TransformersModel(TrainableModel):
     # Settings.
     @remote_function()
     def set_optimizer(self, optimizer_cls: Any, **kwargs: Any) -> None:
-        """Use optimizer `optimizer_cls` ('AdamW', 'default' = AdamW, 'SGD', or those torch
-        classes) with torch's keyword arguments (default lr 1e-5, weight_decay 0.01 on
-        matrices). Any time: before the first forward, or after forwards and steps (to
+        """Use optimizer `optimizer_cls` ('AdamW', 'default' = AdamW, 'Adam', 'SGD', 'Muon', or
+        those torch classes, e.g. ``torch.optim.Muon`` with ``adjust_lr_fn=``) with torch's
+        keyword arguments (default lr 1e-5, weight_decay 0.01 on matrices). Any time: before the first forward, or after forwards and steps (to
         evaluate first, or to change optimizers between steps). A state that already exists
         gets the new optimizer with a fresh optimizer state (zero moments, the schedule
         counted from here), as upstream's new torch optimizer; the weights stay. Raises
