@@ -197,7 +197,6 @@ def train_rl(config: RLRunConfig) -> Summary:
     start_dir = train._dist_checkpoint(config)
     init_distributed()
     mesh = train._world_mesh(as_batch)
-    train._check_lora_saves(config)
     model, tokenizer = train._model_and_tokenizer(config)
     out.mkdir(parents=True, exist_ok=True)
     if rank() == 0:
@@ -252,7 +251,7 @@ def train_rl(config: RLRunConfig) -> Summary:
                 log.write({"step": done, "eval_reward": held_out_reward()})
             stopping = stop.agreed() and done < steps
             if stopping or train._due(config.cadence.save_steps, done, steps):
-                train._save(state, ckpts.periodic_dir(out, done), tokenizer, config, done)
+                train._save(state, ckpts.periodic_dir(out, done), tokenizer, done)
                 ckpts.prune(out, config.cadence.keep_last)
             if stopping:
                 if log is not None:

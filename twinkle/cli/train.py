@@ -176,7 +176,6 @@ def train(config: cfg.RunConfig) -> Summary:
     start_dir = _dist_checkpoint(config)
     init_distributed()
     mesh = _world_mesh(config)
-    _check_lora_saves(config)
     model, tokenizer = _model_and_tokenizer(config)
     max_length = _max_length(config, model.config.max_position_embeddings)
     train_rows, heldout_rows = train_heldout_split(rows, seed=config.seed)
@@ -245,7 +244,7 @@ def train(config: cfg.RunConfig) -> Summary:
                     log.write({"step": done, "eval_loss": loss})
             stopping = stop.agreed() and done < steps
             if stopping or _due(config.cadence.save_steps, done, steps):
-                _save(state, ckpts.periodic_dir(out, done), tokenizer, config, done)
+                _save(state, ckpts.periodic_dir(out, done), tokenizer, done)
                 ckpts.prune(out, config.cadence.keep_last)
             if stopping:
                 if rank() == 0:
@@ -315,37 +314,16 @@ def _due(every: int, done: int, steps: int) -> bool:
 
 def _save_final(state: tf.TrainState, out: Path, tokenizer: Any, config: cfg.RunConfig) -> Path:
     """``<out>/checkpoint``, and with LoRA ``<out>/adapter`` (what
-    ``peft.PeftModel.from_pretrained(base, dir)`` loads; alone where the backend cannot
-    checkpoint adapter training states). Returns the directory to report."""
+    ``peft.PeftModel.from_pretrained(base, dir)`` loads). Returns the checkpoint."""
     steps = config.schedule.steps
     if config.lora is not None:
-        adapter = tf.lora.save_adapter(state, out / "adapter")
-        if config.backend not in LORA_STATE_BACKENDS:
-            return adapter
+        tf.lora.save_adapter(state, out / "adapter")
     return tf.checkpoint.save(state, out / "checkpoint", tokenizer=tokenizer, extra={"step": steps})
 
 
-def _save(
-    state: tf.TrainState, path: Path, tokenizer: Any, config: cfg.RunConfig, step: int
-) -> Path:
-    """A checkpoint of `state` at `path` (its ``extra`` holds `step`, the data position), or,
-    for LoRA on a backend that cannot checkpoint adapter training states, the peft adapter."""
-    if config.lora is not None and config.backend not in LORA_STATE_BACKENDS:
-        return tf.lora.save_adapter(state, path)
+def _save(state: tf.TrainState, path: Path, tokenizer: Any, step: int) -> Path:
+    """A checkpoint of `state` at `path` (its ``extra`` holds `step`, the data position)."""
     return tf.checkpoint.save(state, path, tokenizer=tokenizer, extra={"step": step})
-
-
-def _check_lora_saves(config: cfg.RunConfig) -> None:
-    """Raises ``ValueError`` for periodic saves or a resume of LoRA on megatron: the core's
-    megatron backend does not checkpoint adapter training states yet."""
-    if config.lora is None or config.backend in LORA_STATE_BACKENDS:
-        return
-    if config.cadence.save_steps or config.resume:
-        raise ValueError(
-            "cadence.save_steps / resume with lora on backend megatron: the megatron backend "
-            "does not checkpoint LoRA training states yet (only the final adapter is saved); "
-            "set cadence.save_steps: 0 and no resume, or use backend: transformers"
-        )
 
 
 def _dist_checkpoint(config: cfg.RunConfig) -> Path | None:
@@ -493,9 +471,8 @@ def _megatron_adamw(
     return tf.optim.megatron_optimizer(lr, weight_decay=weight_decay, clip_grad=clip_grad)
 
 
-# The optimizer each backend trains with, and the backends that checkpoint LoRA training states.
+# The optimizer each backend trains with.
 OPTIMIZERS = {"transformers": _adamw, "megatron": _megatron_adamw}
-LORA_STATE_BACKENDS = ("transformers",)
 
 
 def _check_lr(lr: float) -> float:
