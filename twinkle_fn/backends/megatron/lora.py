@@ -29,7 +29,8 @@ The HF / megatron naming and the fused layouts come from the bridge's rules and 
 ``lora_B`` inserted (``decoder.layers.0.self_attention.linear_qkv.lora_A.weight``).
 
 Not supported (refused with an error naming the field): MoE experts and routers (on an MoE
-layer only the attention linears take adapters), DoRA, trained biases, ``modules_to_save``,
+layer only the attention linears take adapters; ``"all-linear"`` on a model whose first dense
+MLPs share their linears' names with its experts adapts the attention only, see `resolve`), DoRA, trained biases, ``modules_to_save``,
 per-module ``rank_pattern`` / ``alpha_pattern``, initialisations that rewrite the base weights.
 Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the adapter.
 """
@@ -123,6 +124,11 @@ def _layer_linears(hf_config: Any) -> list[tuple[str, ...]]:
     ]
 
 
+def _selected(config: LoraConfig, hf_module: torch.nn.Module) -> set[str]:
+    """The names of `hf_module`'s modules that peft's matcher selects under `config`."""
+    return {n for n, _ in hf_module.named_modules() if n and check_target_module_exists(config, n)}
+
+
 def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) -> LoraPlan:
     """The adapters `config` asks for on the HF model `hf_module` (may be on the meta device).
 
@@ -143,9 +149,15 @@ def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) 
     }
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         config.target_modules = {name.rsplit(".", 1)[1] for name in supported}
-    selected = {
-        n for n, _ in hf_module.named_modules() if n and check_target_module_exists(config, n)
-    }
+        if _selected(config, hf_module) - supported:
+            # The dense MLPs' names are also the shared and routed experts' (GLM-4 MoE and
+            # DeepSeek-V3 begin with dense layers), which this LoRA cannot adapt; and peft
+            # rewrites any gate/up/down_proj target of such an MoE model to its fused
+            # experts, so an adapter on those MLPs would not load as trained: attention only.
+            config.target_modules = {
+                name.rsplit(".", 1)[1] for name in supported if ".mlp." not in name
+            }
+    selected = _selected(config, hf_module)
     others = sorted(selected - supported)
     if others:
         raise ValueError(
