@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 import twinkle_fn as tf
+from twinkle_fn.backends.buckets import persistent_buffers
 from twinkle_fn.backends.megatron.bridge import hf_to_mcore, mcore_to_hf
 from twinkle_fn.data import pad_collate
 from twinkle_fn.distributed import rank
@@ -49,6 +50,10 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weig
 # The rows megatron-core builds, and those only the transformers backend trains.
 MEGATRON = tuple(name for name in FAMILIES if family(name).megatron is None)
 TRANSFORMERS_ONLY = tuple(name for name in FAMILIES if family(name).megatron is not None)
+# Rows whose router has an expert bias: a checkpoint buffer, zero in a fresh model.
+EXPERT_BIAS = tuple(
+    name for name in MEGATRON if family(name).moe and family(name).moe.expert_bias is not None
+)
 
 
 def _meshes(name: str) -> list[dict]:
@@ -122,6 +127,30 @@ def _megatron_checks(name: str, adapter_dir: str) -> dict:
     return out
 
 
+def _biased_hf(name: str, root: str) -> str:
+    """The seed-0 HF model with a random router expert bias (large enough to change which
+    experts tokens choose), saved under `root`; its directory."""
+    hf = _hf(name)
+    bias = family(name).moe.expert_bias
+    gen = torch.Generator().manual_seed(1)
+    for module in hf.modules():
+        if hasattr(module, bias):
+            getattr(module, bias).copy_(torch.randn(getattr(module, bias).shape, generator=gen))
+    path = f"{root}/{name}_biased"
+    hf.save_pretrained(path)
+    return path
+
+
+def _megatron_biased_logps(name: str, root: str) -> torch.Tensor:
+    """The megatron backend's log-probs of `_biased_hf`, loaded from its files."""
+    from twinkle_fn.backends.megatron import parallel
+
+    model = tf.models.from_pretrained(_biased_hf(name, root), backend="megatron")
+    logps = tf.token_logps(tf.init(model, tf.optim.megatron_optimizer(LR)), _batch())["logps"]
+    parallel.destroy()
+    return logps
+
+
 def _refusal(name: str) -> str:
     """The megatron backend's error for a family megatron-core cannot express."""
     model = tf.models.from_hf_config(tiny_config(name), seed=0, backend="megatron")
@@ -134,6 +163,8 @@ def _refusal(name: str) -> str:
 
 def _one_process(root: str) -> dict:
     out = {name: _megatron_checks(name, f"{root}/{name}") for name in MEGATRON}
+    for name in EXPERT_BIAS:
+        out[name]["biased_logps"] = _megatron_biased_logps(name, root)
     return out | {name: _refusal(name) for name in TRANSFORMERS_ONLY}
 
 
@@ -212,6 +243,16 @@ def test_megatron_logps_equal_the_hf_models(one_process, name):
     torch.testing.assert_close(got, hf_logps(_hf(name), _batch()), rtol=0, atol=LOGPS_ATOL)
 
 
+@pytest.mark.parametrize("name", EXPERT_BIAS)
+def test_megatron_routes_with_the_checkpoints_expert_bias(one_process, name):
+    """A random bias moves tokens to other experts: megatron, loading the files, follows."""
+    root, runs = one_process
+    biased = AutoModelForCausalLM.from_pretrained(root / f"{name}_biased", dtype=torch.float32)
+    want = hf_logps(biased.eval(), _batch())
+    torch.testing.assert_close(runs[name]["biased_logps"], want, rtol=0, atol=LOGPS_ATOL)
+    assert (want - hf_logps(_hf(name), _batch())).abs().max() > 1e-4  # the bias mattered
+
+
 @pytest.mark.parametrize("name", MEGATRON)
 def test_one_training_step_is_the_same_on_both_backends(one_process, name):
     mega, ref = one_process[1][name]["step"], _step(name, "transformers")
@@ -223,13 +264,21 @@ def test_one_training_step_is_the_same_on_both_backends(one_process, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_tp_plan_splits_every_linear_that_can_be(name):
     """Every ``nn.Linear`` of a decoder layer is in the plan, but a shared expert's ``[1, hidden]``
-    gate (the routed experts and routers are not linears: transformers fuses them)."""
+    gate and the row's `tp_whole` linears (the routed experts and routers are not linears:
+    transformers fuses them), and every
+    plan entry is a linear of some layer (first dense layers and MoE layers differ)."""
     row = family(name)
     shared = row.moe.shared if row.moe else None
     whole = {shared.gate} if shared and shared.gate else set()
-    for layer in _hf(name).model.layers:
+    whole |= set(row.tp_whole)
+    seen = set()
+    # q_lora_rank=None: MLA's q_proj in place of q_a_proj/q_b_proj (other families ignore it)
+    variants = (_hf(name), AutoModelForCausalLM.from_config(tiny_config(name, q_lora_rank=None)))
+    for layer in (layer for hf in variants for layer in hf.model.layers):
         linears = {n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-        assert linears - whole == set(row.tp_plan), name
+        assert linears - whole <= set(row.tp_plan), name
+        seen |= linears - whole
+    assert seen == set(row.tp_plan), name
 
 
 @pytest.mark.parametrize("name", MEGATRON)
@@ -250,7 +299,9 @@ def test_the_transformers_export_loads_into_an_hf_model(name):
     stream = tf.export_weights(state, dtype=torch.float32, bucket_bytes=16 << 10)
     with tempfile.TemporaryDirectory() as files:
         hf, _ = consume(stream, tiny_config(name), 16 << 10, files if family(name).moe else None)
-    want = revert_weight_conversion(_hf(name), tf.unshard(state))
+    # persistent buffers (a router's expert bias) are exported as they are: not trained
+    untrained = persistent_buffers(state.model.module)
+    want = revert_weight_conversion(_hf(name), tf.unshard(state) | untrained)
     got = _on_disk(hf)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[n], t) for n, t in want.items())
@@ -268,3 +319,41 @@ def test_a_transformers_lora_adapter_loads_in_peft(tmp_path, name):
     torch.testing.assert_close(hf_logps(peft_model, _batch()), got, rtol=0, atol=LOGPS_ATOL)
     with peft_model.disable_adapter():
         assert (hf_logps(peft_model, _batch()) - got).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU)")
+@pytest.mark.parametrize("backend", ["transformers", "megatron"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_bf16_training_step_on_gpu(name, backend):
+    """One bf16 AdamW step of each family's tiny model on one GPU: its loss is the float32 CPU
+    step's to bf16 rounding (2e-2 relative: 8-bit mantissas through two layers), the grad norm
+    is finite and the step moves the weights. A family megatron-core cannot express is refused
+    there, with its reason."""
+    import torch.distributed as dist
+
+    from twinkle_fn.backends.megatron import parallel
+
+    model = tf.models.from_hf_config(
+        tiny_config(name), seed=0, backend=backend, device="cuda", precision="bf16"
+    )
+    if backend == "megatron":
+        tx = tf.optim.megatron_optimizer(LR, clip_grad=0.0, weight_decay=0.0)
+    else:
+        tx = tf.optim.adamw(LR, weight_decay=0.0)
+    try:
+        if backend == "megatron" and family(name).megatron is not None:
+            with pytest.raises(ValueError, match=f"model family {name!r} is supported by the"):
+                tf.init(model, tx)
+            return
+        state = tf.init(model, tx)
+        before = {n: p.detach().float().cpu() for n, p in tf.unshard(state).items()}
+        state, info = tf.step(state, tf.fwd_bwd(state, _batch())[0])
+        after = tf.unshard(state)
+        assert float(info["loss"]) == pytest.approx(_step(name, "transformers")["loss"], rel=2e-2)
+        assert torch.isfinite(info["grad_norm"]).item()
+        assert any(not torch.equal(p.float().cpu(), before[n]) for n, p in after.items())
+    finally:
+        if backend == "megatron" and dist.is_initialized():
+            parallel.destroy()
+            dist.destroy_process_group()

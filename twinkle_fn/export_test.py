@@ -48,7 +48,8 @@ def consume(stream, config, bucket_bytes, files_dir=None):
     module fuses, e.g. per-expert MoE tensors) each is written as one safetensors file and the
     model read with ``from_pretrained``. Returns ``(model, largest bucket bytes)``."""
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    wanted = sorted(revert_weight_conversion(hf, dict(hf.named_parameters())))
+    # the checkpoint's tensors: parameters and persistent buffers (a router's expert bias)
+    wanted = sorted(revert_weight_conversion(hf, dict(hf.state_dict())))
     seen, largest, index = [], 0, {}
     for i, bucket in enumerate(stream):
         size = sum(nbytes(t) for _, t in bucket)
@@ -64,7 +65,7 @@ def consume(stream, config, bucket_bytes, files_dir=None):
                 os.path.join(files_dir, f"model-{i}.safetensors"),
             )
             index.update({n: f"model-{i}.safetensors" for n, _ in bucket})
-    assert sorted(seen) == wanted  # each parameter once, nothing else
+    assert sorted(seen) == wanted  # each checkpoint tensor once, nothing else
     if files_dir is not None:
         with open(os.path.join(files_dir, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": index}, f)

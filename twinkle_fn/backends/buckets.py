@@ -14,6 +14,21 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s persistent buffers by name: checkpoint tensors that are not trained (a
+    router's expert bias), which an export carries beside the parameters.
+
+    Read from each submodule's buffers, not from ``state_dict()``: FSDP2's state-dict hooks
+    reshard parameters, which would free the storage of views already handed out.
+    """
+    return {
+        f"{prefix}.{name}" if prefix else name: buf
+        for prefix, sub in module.named_modules()
+        for name, buf in sub.named_buffers(recurse=False)
+        if buf is not None and name not in sub._non_persistent_buffers_set
+    }
+
+
 def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[Bucket]:
     """Consecutive groups of `named`, each of at most `max_bytes` (a larger tensor goes alone).
 

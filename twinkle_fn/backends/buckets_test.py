@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from twinkle_fn.backends.buckets import buckets, nbytes
+from twinkle_fn.backends.buckets import buckets, nbytes, persistent_buffers
 
 
 def test_buckets_respect_the_bound_and_keep_order():
@@ -40,3 +40,13 @@ def test_nbytes_counts_elements_not_storage():
 def test_buckets_refuse_a_bad_bound(bad):
     with pytest.raises(ValueError, match="max_bytes"):
         buckets([], bad)
+
+
+def test_persistent_buffers_are_the_state_dicts_buffers():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    module[0].register_buffer("scratch", torch.zeros(2), persistent=False)
+    module[0].register_buffer("bias_of_choice", torch.ones(2))
+    got = persistent_buffers(module)
+    params = {n for n, _ in module.named_parameters()}
+    assert got.keys() == module.state_dict().keys() - params
+    assert got["0.bias_of_choice"] is module[0].bias_of_choice

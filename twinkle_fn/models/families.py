@@ -36,6 +36,31 @@ A family megatron-core's ``GPTModel`` spec cannot express (Gemma 3's extra norms
 rotary base) sets `megatron` to the reason: the megatron backend refuses it with that reason
 and the suite runs its transformers checks only.
 
+What the later rows taught (GLM-4 MoE, DeepSeek-V3, Qwen3.5):
+
+- A router is more than its linear: the scoring fields of `Moe` (sigmoid scores, an expert bias
+  that only chooses experts, expert groups, a scaling factor) map to megatron's router settings
+  in ``config.py``, which refuses what megatron computes differently (it always renormalises
+  sigmoid weights; it scores a group by its top ``top_k // groups`` experts, HF by its top 2).
+- A checkpoint tensor need not be a parameter: the router's ``e_score_correction_bias`` is a
+  buffer. It needs a bridge rule (megatron's ``router.expert_bias``), both backends export it,
+  and megatron must not move it (``moe_router_bias_update_rate=0``: HF never updates it).
+- Layers can differ: first dense layers beside MoE layers (`after_first_k_dense`), DeltaNet
+  layers beside attention layers. The tp plan is one mapping for every layer (an entry a layer
+  lacks is skipped); linears that cannot be split go in `tp_whole`.
+- peft rewrites any ``gate/up/down_proj`` target of an MoE model whose experts transformers fuses
+  to the fused experts, so the megatron backend's ``"all-linear"`` adapts the attention only
+  where the first dense MLPs share their names with the experts.
+- Multi-latent attention (DeepSeek-V3) needs bridge rules for ``q_a_proj``, ``q_a_layernorm``,
+  ``q_b_proj`` (or ``q_proj`` without ``q_lora_rank``), ``kv_a_proj_with_mqa``,
+  ``kv_a_layernorm`` and ``kv_b_proj``, megatron's ``MLATransformerConfig`` and an
+  ``MLASelfAttention`` layer spec, and LoRA on those linears: not built yet, so the row sets
+  `megatron` to that reason. Its rotary key is shared by every head, so a head-split tp plan
+  leaves its gradient partial: the row sets `tensor_parallel`.
+- A hybrid family (Qwen3.5's Gated DeltaNet) needs megatron-core's ``HybridModel`` (see
+  ``twinkle_fn/backends/megatron/model.py``) and, for packed rows, a recurrence that restarts at
+  ``cu_seqlens``: the row sets `megatron` and `packed_rows` to the reasons.
+
 To try a row without editing this module, `registered(row)` makes it known inside a ``with``
 block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
 """
@@ -56,6 +81,7 @@ TP_STYLES = (COLWISE, ROWWISE)
 # "interleaved" pairs neighbouring dimensions (GPT-J; megatron's ``rotary_interleaved``).
 ROPE_KINDS = ("rotate_half", "interleaved")
 BIAS_PARTS = ("qkv", "o", "mlp")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 # A switch: always on (True), always off (False), or the name of the HF config field that sets it.
 Flag = bool | str
@@ -72,14 +98,20 @@ class SharedExpert:
 
     `mlp`: its decoder-layer submodule, as the checkpoint names it, whose linears `linears`
     (gate, up, down) are ``{mlp}.{name}.weight``; `ffn`: the config field of its intermediate
-    size. `gate`: the decoder-layer submodule of a ``[1, hidden]`` linear whose sigmoid scales
-    the MLP's output per token (Qwen2-MoE), None when the output is added ungated.
+    size, or a function of the config giving it (GLM-4 MoE and DeepSeek-V3 size it as
+    ``n_shared_experts`` routed experts). `gate`: the decoder-layer submodule of a
+    ``[1, hidden]`` linear whose sigmoid scales the MLP's output per token (Qwen2-MoE), None
+    when the output is added ungated.
     """
 
     mlp: str
     linears: tuple[str, str, str]
-    ffn: str
+    ffn: str | Callable[[PretrainedConfig], int]
     gate: str | None
+
+    def size(self, config: PretrainedConfig) -> int:
+        """The shared MLP's intermediate size under `config`."""
+        return self.ffn(config) if callable(self.ffn) else getattr(config, self.ffn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +129,15 @@ class Moe:
     per token and one expert's intermediate size; `renormalize` says whether the top-k routing
     weights (a softmax over all experts) are renormalised to sum to 1. `shared`: the shared
     expert, None without one.
+
+    The router's scoring (defaults: Qwen/Mixtral's softmax router): `score` is ``"softmax"``
+    or ``"sigmoid"`` (each expert's score is the sigmoid of its logit; GLM-4 MoE, DeepSeek-V3).
+    `expert_bias`: the name, under `router`, of a per-expert bias added to the scores only to
+    choose the experts (``e_score_correction_bias``: a buffer, not trained), None without one.
+    `groups` / `group_topk`: the config fields of the expert groups and of how many groups a
+    token may choose from (a group's score is the sum of its top 2 expert scores), None for
+    ungrouped routing. `scale`: the config field of the factor the routing weights are
+    multiplied by after normalising (``routed_scaling_factor``), None for 1.
     """
 
     layers: Callable[[PretrainedConfig], tuple[int, ...]]
@@ -108,6 +149,20 @@ class Moe:
     ffn: str
     renormalize: Flag
     shared: SharedExpert | None
+    score: str = "softmax"
+    expert_bias: str | None = None
+    groups: str | None = None
+    group_topk: str | None = None
+    scale: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.score not in ROUTER_SCORES:
+            raise ValueError(f"Moe score {self.score!r} is not one of {ROUTER_SCORES}")
+        if (self.groups is None) != (self.group_topk is None):
+            raise ValueError(
+                f"Moe groups={self.groups!r} with group_topk={self.group_topk!r}: "
+                "give both config fields or neither"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +173,7 @@ class Family:
     features split over tp) or ``"rowwise"`` (input features split, outputs summed); MoE experts
     are left out (they stay whole under tp). `qkv_bias`, `o_bias`, `mlp_bias`: whether the q/k/v,
     output and dense MLP projections carry biases (`Flag`). `qk_norm`: RMSNorms on each head's
-    queries and keys (``self_attn.q_norm`` / ``k_norm``). `moe`: the experts' layout, None for a
+    queries and keys (``self_attn.q_norm`` / ``k_norm``; a `Flag`, read with `has_qk_norm`). `moe`: the experts' layout, None for a
     dense family. `mask_mapping`: the decoder takes ready-made masks as ``{layer type: mask}``
     (``{"full_attention": None}`` skips transformers' mask building). `sliding_window`: the config
     field whose value (when set) is a window of that many tokens, the query included, in every
@@ -126,7 +181,12 @@ class Family:
     `sequence_parallel`: the transformers backend can add sequence parallelism to the tp plan
     (that needs the MLP to end in a rowwise linear, and every norm of a layer in its sequence
     parallel plan). `megatron`: None when megatron-core's ``GPTModel`` builds the family,
-    else why it cannot (the megatron backend refuses the family with it). Raises ``ValueError`` for a style, rope
+    else why it cannot (the megatron backend refuses the family with it). `tp_whole`: the
+    decoder-layer linears that stay whole on every tp rank (their output is read by every head:
+    multi-latent attention's down projections, a linear-attention layer's projections).
+    `packed_rows`: None when the transformers backend trains packed rows (``cu_seqlens``), else
+    why it cannot (it refuses them with the reason). `tensor_parallel`: None when the
+    transformers backend splits the family over tp > 1 by `tp_plan`, else why it cannot. Raises ``ValueError`` for a style, rope
     kind or bias flag outside those listed.
     """
 
@@ -135,13 +195,16 @@ class Family:
     qkv_bias: Flag
     o_bias: Flag
     mlp_bias: Flag
-    qk_norm: bool
+    qk_norm: Flag
     moe: Moe | None
     mask_mapping: bool
     sliding_window: str | None
     rope: str
     sequence_parallel: bool
     megatron: str | None
+    tp_whole: tuple[str, ...] = ()
+    packed_rows: str | None = None
+    tensor_parallel: str | None = None
 
     def __post_init__(self) -> None:
         bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
@@ -167,6 +230,10 @@ class Family:
             raise ValueError(f"bias part {part!r} is not one of {BIAS_PARTS}")
         return flag_on(getattr(self, f"{part}_bias"), config)
 
+    def has_qk_norm(self, config: PretrainedConfig) -> bool:
+        """Whether the attention has q/k RMSNorms under `config`."""
+        return flag_on(self.qk_norm, config)
+
     def moe_layers(self, config: PretrainedConfig) -> tuple[int, ...]:
         """The indices of `config`'s MoE decoder layers, increasing; () for a dense family."""
         return () if self.moe is None else self.moe.layers(config)
@@ -188,6 +255,17 @@ def sparse_step_moe_layers(config: PretrainedConfig) -> tuple[int, ...]:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     layers = range(config.num_hidden_layers)
     return tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+
+
+def after_first_k_dense(config: PretrainedConfig) -> tuple[int, ...]:
+    """GLM-4 MoE's and DeepSeek-V3's MoE layers: every layer from ``first_k_dense_replace`` on
+    (the first k are dense MLPs)."""
+    return tuple(range(config.first_k_dense_replace, config.num_hidden_layers))
+
+
+def n_shared_experts_ffn(config: PretrainedConfig) -> int:
+    """The shared MLP of GLM-4 MoE / DeepSeek-V3: ``n_shared_experts`` experts' channels."""
+    return config.moe_intermediate_size * config.n_shared_experts
 
 
 def every_layer(config: PretrainedConfig) -> tuple[int, ...]:
@@ -348,6 +426,144 @@ _ROWS = (
         rope="rotate_half",
         sequence_parallel=False,
         megatron=None,
+    ),
+    Family(
+        name="glm4_moe",
+        # the first_k_dense_replace dense layers split their MLP, the MoE layers their shared
+        # experts; routed experts and the router stay whole
+        tp_plan={
+            **_ATTENTION,
+            **_MLP,
+            "mlp.shared_experts.gate_proj": COLWISE,
+            "mlp.shared_experts.up_proj": COLWISE,
+            "mlp.shared_experts.down_proj": ROWWISE,
+        },
+        qkv_bias="attention_bias",
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm="use_qk_norm",
+        moe=Moe(
+            layers=after_first_k_dense,
+            router="mlp.gate",
+            experts="mlp.experts",
+            expert_linears=("gate_proj", "up_proj", "down_proj"),
+            num_experts="n_routed_experts",
+            top_k="num_experts_per_tok",
+            ffn="moe_intermediate_size",
+            renormalize="norm_topk_prob",
+            shared=SharedExpert(
+                mlp="mlp.shared_experts",
+                linears=("gate_proj", "up_proj", "down_proj"),
+                ffn=n_shared_experts_ffn,
+                gate=None,
+            ),
+            score="sigmoid",
+            expert_bias="e_score_correction_bias",
+            groups="n_group",
+            group_topk="topk_group",
+            scale="routed_scaling_factor",
+        ),
+        mask_mapping=False,
+        sliding_window=None,
+        # partial rotary (rope_parameters' partial_rotary_factor): the first channels of each
+        # head are rotated in HF's rotate_half layout, the rest pass through
+        rope="rotate_half",
+        sequence_parallel=False,
+        megatron=None,
+    ),
+    Family(
+        name="deepseek_v3",
+        # multi-latent attention: the up projections (q_b_proj, or q_proj without q_lora_rank,
+        # and kv_b_proj) give each head its rows, so they split by heads like q/k/v; the down
+        # projections feed every head and stay whole (tp_whole).
+        tp_plan={
+            "self_attn.q_b_proj": COLWISE,
+            "self_attn.q_proj": COLWISE,
+            "self_attn.kv_b_proj": COLWISE,
+            "self_attn.o_proj": ROWWISE,
+            **_MLP,
+            "mlp.shared_experts.gate_proj": COLWISE,
+            "mlp.shared_experts.up_proj": COLWISE,
+            "mlp.shared_experts.down_proj": ROWWISE,
+        },
+        tp_whole=("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+        qkv_bias=False,
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=False,
+        moe=Moe(
+            layers=after_first_k_dense,
+            router="mlp.gate",
+            experts="mlp.experts",
+            expert_linears=("gate_proj", "up_proj", "down_proj"),
+            num_experts="n_routed_experts",
+            top_k="num_experts_per_tok",
+            ffn="moe_intermediate_size",
+            renormalize="norm_topk_prob",
+            shared=SharedExpert(
+                mlp="mlp.shared_experts",
+                linears=("gate_proj", "up_proj", "down_proj"),
+                ffn=n_shared_experts_ffn,
+                gate=None,
+            ),
+            score="sigmoid",
+            expert_bias="e_score_correction_bias",
+            groups="n_group",
+            group_topk="topk_group",
+            scale="routed_scaling_factor",
+        ),
+        mask_mapping=False,
+        sliding_window=None,
+        # rope_interleave (default True): neighbouring channels of the rotary part are pairs
+        rope="interleaved",
+        sequence_parallel=False,
+        tensor_parallel=(
+            "multi-latent attention's rotary key (kv_a_proj_with_mqa's last qk_rope_head_dim "
+            "outputs) is shared by every head, so under the head-split plan each tp rank's "
+            "gradient of it holds its own heads' part only and DTensor does not sum them"
+        ),
+        megatron=(
+            "multi-latent attention is not built by twinkle's megatron layer spec yet "
+            "(megatron-core's MLASelfAttention needs its own bridge rules for q_a_proj, "
+            "q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj, and "
+            "LoRA on those linears)"
+        ),
+    ),
+    Family(
+        name="qwen3_5_text",
+        # Gated DeltaNet layers (linear_attn) between full attention layers (layer_types). The
+        # full attention's q_proj gives each head its query and its output gate side by side,
+        # so it splits by heads; a DeltaNet's fused q/k/v rows and depthwise convolution do
+        # not split per head that way: its linears stay whole (tp_whole).
+        tp_plan={**_ATTENTION, **_MLP},
+        tp_whole=(
+            "linear_attn.in_proj_qkv",
+            "linear_attn.in_proj_z",
+            "linear_attn.in_proj_b",
+            "linear_attn.in_proj_a",
+            "linear_attn.out_proj",
+        ),
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        moe=None,
+        mask_mapping=True,
+        sliding_window=None,
+        rope="rotate_half",
+        # a DeltaNet layer is outside the sequence-parallel plan (it needs the whole sequence)
+        sequence_parallel=False,
+        megatron=(
+            "its Gated DeltaNet (linear attention) layers need megatron-core's HybridModel, which "
+            "twinkle's megatron backend does not build yet (it builds GPTModel), and its gated "
+            "attention (q_proj's output gate) and (1 + weight) RMSNorms are not in megatron's "
+            "GPTModel layer spec"
+        ),
+        packed_rows=(
+            "the Gated DeltaNet layers' recurrence and causal convolution (transformers' torch "
+            "code, and fla's kernels as transformers calls them) do not restart at the packed "
+            "samples' boundaries, so samples would read each other"
+        ),
     ),
     Family(
         name="gemma3_text",

@@ -72,6 +72,8 @@ def test_each_row_is_found_by_name_and_by_config(name):
 def test_the_plan_splits_real_linears_and_sequence_parallelism_needs_a_rowwise_mlp(name):
     row = family(name)
     layers = _module(tiny_config(name, mlp_only_layers=[0])).model.layers
+    # MLA without a query down projection has q_proj instead (other families ignore the field)
+    layers = [*layers, *_module(tiny_config(name, q_lora_rank=None)).model.layers]
     for sub, style in row.tp_plan.items():
         linears = [layer.get_submodule(sub) for layer in layers if _has(layer, sub)]
         assert linears and all(isinstance(m, torch.nn.Linear) for m in linears), sub
@@ -84,7 +86,10 @@ def test_the_plan_splits_real_linears_and_sequence_parallelism_needs_a_rowwise_m
     # The norms the transformers backend's sequence-parallel plan runs on sequence shards
     # (plans.SEQUENCE_PARALLEL_LAYER); another norm (Gemma 3's around the MLP) would not be.
     norms = {n for n, _ in layers[0].named_children() if "norm" in n}
-    planned = norms <= {"input_layernorm", "post_attention_layernorm"}
+    # ... and every token mixer is the attention it gathers the sequence for (not a DeltaNet)
+    planned = norms <= {"input_layernorm", "post_attention_layernorm"} and all(
+        _has(layer, "self_attn") for layer in layers
+    )
     # an MoE block's output is not a rowwise linear's, even with a split shared expert
     assert row.sequence_parallel == (rowwise_mlp and row.moe is None and planned)
     if row.moe is not None:  # experts stay whole under tp
@@ -126,7 +131,7 @@ def test_the_moe_layer_rule_is_what_transformers_builds(name, case):
     if shared is None:  # no MLP tensor beside the router and experts
         assert not {n for n in mlp_like if n.startswith(layer)}
         return
-    ffn = getattr(config, shared.ffn)
+    ffn = shared.size(config)
     gate, up, down = (on_disk[f"{layer}{shared.mlp}.{n}.weight"] for n in shared.linears)
     assert gate.shape == up.shape == (ffn, config.hidden_size)
     assert down.shape == (config.hidden_size, ffn)
@@ -138,14 +143,17 @@ def test_the_moe_layer_rule_is_what_transformers_builds(name, case):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_biases_and_qk_norms_are_what_transformers_builds(name, on):
     """With every bias field of the HF configs on, and off: a row's bias is on exactly when
-    transformers gives the projection a bias (layer 0 is dense, so the MLP has projections)."""
-    config = tiny_config(name, attention_bias=on, mlp_bias=on, mlp_only_layers=[0])
+    transformers gives the projection a bias (layer 0 is dense, so the MLP has projections; the
+    first attention layer is read)."""
+    config = tiny_config(name, attention_bias=on, mlp_bias=on, use_qk_norm=on, mlp_only_layers=[0])
     row = family(name)
-    params = dict(_module(config).model.layers[0].named_parameters())
+    # the first attention layer (Qwen3.5 begins with a DeltaNet layer)
+    layer = next(lay for lay in _module(config).model.layers if _has(lay, "self_attn"))
+    params = dict(layer.named_parameters())
     for part, names in _BIASES.items():
         assert [n in params for n in names] == [row.has_bias(part, config)] * len(names), part
     for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-        assert (norm in params) == row.qk_norm
+        assert (norm in params) == row.has_qk_norm(config)
 
 
 def _last_logits_see_token_0(config: PretrainedConfig) -> bool:
@@ -194,8 +202,15 @@ def test_only_a_mask_mapping_decoder_takes_the_mapping(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_rope_kind_is_the_modeling_code(name):
-    modeling = importlib.import_module(type(_module(tiny_config(name))).__module__)
+    """DeepSeek's interleaved pairs are its default (``rope_interleave``); the others rotate
+    halves only."""
+    config = tiny_config(name)
+    modeling = importlib.import_module(type(_module(config)).__module__)
+    if family(name).rope == "interleaved":
+        assert config.rope_interleave and hasattr(modeling, "apply_rotary_pos_emb_interleave")
+        return
     assert family(name).rope == "rotate_half" and hasattr(modeling, "rotate_half")
+    assert not getattr(config, "rope_interleave", False)
 
 
 def test_rows_refuse_values_no_backend_reads():

@@ -326,7 +326,7 @@ class MegatronBackend:
 
     def unshard(self, state: TrainState) -> dict[str, Tensor]:
         """See `twinkle_fn.backends.megatron.weights.full_weights`."""
-        return weights.full_weights(state)
+        return weights.full_weights(state, buffers=False)
 
     def shard_params(
         self, full: Mapping[str, Tensor], mesh: Mesh, model: Model, rank: int

@@ -137,6 +137,19 @@ def moe_rules(moe: Moe) -> tuple[Rule, ...]:
     gate, up, down = (f"{_L}{moe.experts}.{{expert}}.{name}.weight" for name in moe.expert_linears)
     rules = [
         Rule((f"{_L}{moe.router}.weight",), _M + "mlp.router.weight", "copy", None, layers="moe"),
+        *(
+            [
+                Rule(
+                    (f"{_L}{moe.router}.{moe.expert_bias}",),
+                    _M + "mlp.router.expert_bias",
+                    "copy",
+                    None,
+                    layers="moe",
+                )
+            ]
+            if moe.expert_bias is not None
+            else []
+        ),
         Rule((gate, up), _MC_EXPERT + "linear_fc1.weight", "gate_up", 0, layers="moe"),
         Rule((down,), _MC_EXPERT + "linear_fc2.weight", "copy", 1, layers="moe"),
     ]
@@ -184,7 +197,7 @@ def rules_for(hf_config: PretrainedConfig, head: str = "lm") -> list[Rule]:
     fam = megatron_family(hf_config)
     rules = [EMBEDDING, INPUT_NORM, QKV]
     rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
-    rules += QK_NORM if fam.qk_norm else ()
+    rules += QK_NORM if fam.has_qk_norm(hf_config) else ()
     rules += [O_PROJ]
     rules += [O_BIAS] if fam.has_bias("o", hf_config) else []
     rules += [POST_ATTN_NORM, *MLP]
@@ -244,7 +257,7 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         layers=hf_config.num_hidden_layers,
         ffn=hf_config.intermediate_size,
         moe_ffn=getattr(hf_config, layout.ffn) if any(moe) else 0,
-        shared_ffn=getattr(hf_config, layout.shared.ffn) if any(moe) and layout.shared else 0,
+        shared_ffn=layout.shared.size(hf_config) if any(moe) and layout.shared else 0,
         experts=getattr(hf_config, layout.num_experts) if any(moe) else 0,
         moe=moe,
     )

@@ -42,7 +42,7 @@ CASES = {
 }
 
 
-_MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 
 def _config(case):
@@ -99,6 +99,8 @@ def _experts(cfg):
     """(experts, one expert's intermediate size) of an MoE config."""
     if cfg.model_type == "mixtral":
         return cfg.num_local_experts, cfg.intermediate_size
+    if cfg.model_type == "glm4_moe":
+        return cfg.n_routed_experts, cfg.moe_intermediate_size
     return cfg.num_experts, cfg.moe_intermediate_size
 
 
@@ -123,7 +125,9 @@ def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
             shapes[m + "self_attention.k_layernorm.weight"] = (hd,)
         shapes[m + "self_attention.linear_proj.weight"] = (h, heads * hd // tp)
         shapes[m + "pre_mlp_layernorm.weight"] = (h,)
-        if cfg.model_type in _MOE:
+        # GLM-4 MoE begins with first_k_dense_replace dense layers
+        first_moe = getattr(cfg, "first_k_dense_replace", 0)
+        if cfg.model_type in _MOE and pp_rank * per + i >= first_moe:
             e, f = _experts(cfg)
             shapes[m + "mlp.router.weight"] = (e, h)
             for j in range(e // ep):
@@ -135,6 +139,11 @@ def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
                 shapes[x + "linear_fc1.weight"] = (2 * s // tp, h)
                 shapes[x + "linear_fc2.weight"] = (h, s // tp)
                 shapes[x + "gate_weight"] = (1, h)
+            if cfg.model_type == "glm4_moe":  # shared experts, no gate; the router's bias
+                s, x = cfg.moe_intermediate_size * cfg.n_shared_experts, f"{m}mlp.shared_experts."
+                shapes[x + "linear_fc1.weight"] = (2 * s // tp, h)
+                shapes[x + "linear_fc2.weight"] = (h, s // tp)
+                shapes[m + "mlp.router.expert_bias"] = (e,)
         else:
             f = cfg.intermediate_size
             shapes[m + "mlp.linear_fc1.weight"] = (2 * f // tp, h)
@@ -240,6 +249,12 @@ def _mcore_config(cfg, num_layers, moe_freq):
             moe_ffn_hidden_size=ffn,
             moe_router_topk=cfg.num_experts_per_tok,
             moe_layer_freq=[int(m) for m in moe_freq],
+        )
+    if any(moe_freq) and cfg.model_type == "glm4_moe":
+        out.update(
+            moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
         )
     if any(moe_freq) and cfg.model_type == "qwen2_moe":
         out.update(

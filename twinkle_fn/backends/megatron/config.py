@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from twinkle_fn.backends.megatron.bridge_rules import megatron_family
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import Family, flag_on
+from twinkle_fn.models.families import Family, Moe, flag_on
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
@@ -41,7 +41,7 @@ def _moe_fields(hf_config: PretrainedConfig, fam: Family, mesh: Mesh) -> dict[st
     aux = bool(getattr(hf_config, "output_router_logits", False))
     shared: dict[str, Any] = {}
     if moe.shared is not None:
-        shared_ffn = getattr(hf_config, moe.shared.ffn)
+        shared_ffn = moe.shared.size(hf_config)
         _require_divides(mesh.tp, "tp", shared_ffn, "shared expert MLP channels")
         shared = dict(
             moe_shared_expert_intermediate_size=shared_ffn,
@@ -49,6 +49,7 @@ def _moe_fields(hf_config: PretrainedConfig, fam: Family, mesh: Mesh) -> dict[st
         )
     return dict(
         **shared,
+        **_router_fields(hf_config, moe),
         num_moe_experts=experts,
         moe_layer_freq=pattern if 0 in pattern else 1,
         moe_router_topk=getattr(hf_config, moe.top_k),
@@ -61,6 +62,39 @@ def _moe_fields(hf_config: PretrainedConfig, fam: Family, mesh: Mesh) -> dict[st
         moe_aux_loss_coeff=float(hf_config.router_aux_loss_coef) if aux else 0.0,
         moe_grouped_gemm=False,
     )
+
+
+def _router_fields(hf_config: PretrainedConfig, moe: Moe) -> dict[str, Any]:
+    """megatron's router settings for a sigmoid router, an expert bias, expert groups and a
+    scaling factor (`Moe`'s scoring fields); {} for a plain softmax router. Raises
+    ``ValueError`` for what megatron's router computes differently from HF's."""
+    fields: dict[str, Any] = {"moe_router_score_function": moe.score}
+    top_k = getattr(hf_config, moe.top_k)
+    if moe.score == "sigmoid" and top_k > 1 and not flag_on(moe.renormalize, hf_config):
+        raise ValueError(
+            f"{_source(moe.renormalize, 'renormalize')}=False with a sigmoid router is not "
+            "supported: megatron-core always renormalises sigmoid top-k weights to sum to 1; "
+            f"set {_source(moe.renormalize, 'renormalize')}=True or use backend='transformers'"
+        )
+    if moe.expert_bias is not None:
+        # HF keeps the bias as loaded (a buffer); megatron would move it after every step
+        # towards balanced loads. Rate 0 keeps it, so both backends train the same model.
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    groups = getattr(hf_config, moe.groups) if moe.groups is not None else 1
+    if groups > 1:
+        chosen = getattr(hf_config, moe.group_topk)
+        if top_k // chosen != 2:
+            # HF scores a group by its top 2 experts, megatron by its top (top_k // groups chosen)
+            raise ValueError(
+                f"{moe.top_k}={top_k} with {moe.group_topk}={chosen} is not supported: "
+                "megatron-core scores an expert group by its top "
+                f"{moe.top_k} // {moe.group_topk} experts and HF by its top 2; use values with "
+                f"{moe.top_k} == 2 * {moe.group_topk}, {moe.groups}=1, or backend='transformers'"
+            )
+        fields.update(moe_router_num_groups=groups, moe_router_group_topk=chosen)
+    if moe.scale is not None:
+        fields["moe_router_topk_scaling_factor"] = float(getattr(hf_config, moe.scale))
+    return fields
 
 
 def _linear_bias(hf_config: PretrainedConfig, fam: Family) -> bool:
@@ -165,7 +199,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=bias,
         add_qkv_bias=fam.has_bias("qkv", hf_config),
-        qk_layernorm=fam.qk_norm,
+        qk_layernorm=fam.has_qk_norm(hf_config),
         rotary_interleaved=fam.rope == "interleaved",
         # HF's window of W tokens includes the query itself: W - 1 to the left, none right.
         window_size=(sliding - 1, 0) if sliding else None,

@@ -24,7 +24,7 @@ def test_architecture_fields_follow_the_hf_config(family):
     cfg = transformer_config(hf, Mesh())
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 32, hf.intermediate_size)
     assert (cfg.num_attention_heads, cfg.num_query_groups) == (8, 2)
-    assert cfg.kv_channels == (8 if family.startswith("qwen3") else 32 // 8)
+    assert cfg.kv_channels == (8 if family in ("qwen3", "qwen3_moe", "glm4_moe") else 32 // 8)
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
     assert not cfg.add_bias_linear
@@ -35,8 +35,10 @@ def test_architecture_fields_follow_the_hf_config(family):
     assert cfg.calculate_per_token_loss and cfg.variable_seq_lengths
     assert cfg.moe_token_dispatcher_type == "alltoall"
     assert cfg.params_dtype == torch.float32 and not cfg.bf16
-    assert (cfg.num_moe_experts is not None) == (family in ("qwen3_moe", "qwen2_moe", "mixtral"))
-    assert (cfg.moe_shared_expert_intermediate_size is not None) == (family == "qwen2_moe")
+    moe = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+    assert (cfg.num_moe_experts is not None) == (family in moe)
+    shared = cfg.moe_shared_expert_intermediate_size
+    assert (shared is not None) == (family in ("qwen2_moe", "glm4_moe"))
 
 
 def test_a_family_megatron_cannot_express_is_refused_with_the_reason():
@@ -245,3 +247,29 @@ def test_the_family_row_is_what_the_config_reads():
     qwen2.sliding_window = 4
     plain = transformer_config(qwen2, Mesh())
     assert not plain.rotary_interleaved and not plain.qk_layernorm and plain.window_size is None
+
+
+def test_glm4_moe_router_is_megatrons_sigmoid_router_with_a_fixed_bias():
+    """Sigmoid scores renormalised over the top k, the expert bias loaded and never moved,
+    groups scored by their top 2 experts, the routed scaling factor, first dense layers."""
+    hf = tiny_config("glm4_moe", num_hidden_layers=4, first_k_dense_replace=2)
+    cfg = transformer_config(hf, Mesh())
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_topk == 2
+    assert cfg.moe_router_enable_expert_bias and cfg.moe_router_bias_update_rate == 0.0
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (2, 1)
+    assert cfg.moe_router_topk_scaling_factor == 1.5
+    assert cfg.moe_layer_freq == [0, 0, 1, 1] and cfg.moe_shared_expert_intermediate_size == 16
+    one_group = transformer_config(tiny_config("glm4_moe", n_group=1, topk_group=1), Mesh())
+    assert one_group.moe_router_num_groups is None  # one group: every expert is in it
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"norm_topk_prob": False}, "norm_topk_prob=False with a sigmoid router"),
+        ({"num_experts_per_tok": 3, "topk_group": 1}, "num_experts_per_tok=3 with topk_group=1"),
+    ],
+)
+def test_a_router_megatron_computes_otherwise_is_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        transformer_config(tiny_config("glm4_moe", **fields), Mesh())

@@ -37,7 +37,7 @@ from twinkle_fn.backends.megatron.lora import (
 )
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
 from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
-from twinkle_fn.backends.megatron.weights import settle
+from twinkle_fn.backends.megatron.weights import checkpoint_tensors, settle
 from twinkle_fn.lora import PEFT_PREFIX
 from twinkle_fn.state import TrainState
 
@@ -142,7 +142,7 @@ def _weights(placement: MegatronPlacement, stage: int, dtype: torch.dtype) -> Na
 def _local(placement: MegatronPlacement) -> Callable[[str], Tensor]:
     """This rank's tensor of a megatron name; a LoRA-wrapped linear's or a routed expert's
     weight with its adapter's update merged in (float32)."""
-    params = dict(placement.module.named_parameters())
+    params = checkpoint_tensors(placement.module)
     modules = dict(placement.module.named_modules())
 
     def get(name: str) -> Tensor:

@@ -41,8 +41,9 @@ The HF / megatron naming and the fused layouts come from the bridge's rules and 
 Not supported (refused with an error naming the field): routers and shared-expert gates, expert
 LoRA under expert tensor parallelism (etp > 1) or on experts that run megatron's loop, DoRA,
 trained biases, ``modules_to_save``, per-module ``rank_pattern`` / ``alpha_pattern``,
-initialisations that rewrite the base weights.
-Megatron checkpoints (dist_checkpointing) of LoRA states are not wired: save the adapter.
+initialisations that rewrite the base weights. ``"all-linear"`` on a model whose first dense
+MLPs share their linears' names with its experts (GLM-4 MoE) leaves those MLPs out (see
+`resolve`).
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ def _expert_plan(
     return experts, keys
 
 
+def _selected(config: LoraConfig, hf_module: torch.nn.Module) -> set[str]:
+    """The names of `hf_module`'s modules that peft's matcher selects under `config`."""
+    return {n for n, _ in hf_module.named_modules() if n and check_target_module_exists(config, n)}
+
+
 def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) -> LoraPlan:
     """The adapters `config` asks for on the HF model `hf_module` (may be on the meta device).
 
@@ -199,9 +205,15 @@ def resolve(config: LoraConfig | Mapping[str, Any], hf_module: torch.nn.Module) 
     }
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         config.target_modules = {name.rsplit(".", 1)[1] for name in supported}
-    selected = {
-        n for n, _ in hf_module.named_modules() if n and check_target_module_exists(config, n)
-    }
+        if _selected(config, hf_module) - supported:
+            # The dense MLPs' names are also the shared and routed experts' (GLM-4 MoE and
+            # DeepSeek-V3 begin with dense layers), which this LoRA cannot adapt; and peft
+            # rewrites any gate/up/down_proj target of such an MoE model to its fused
+            # experts, so an adapter on those MLPs would not load as trained: attention only.
+            config.target_modules = {
+                name.rsplit(".", 1)[1] for name in supported if ".mlp." not in name
+            }
+    selected = _selected(config, hf_module)
     others = sorted(selected - supported)
     if others:
         raise ValueError(

@@ -1,11 +1,17 @@
 """Build megatron-core's ``GPTModel`` for an HF config on this rank's pipeline stage.
 
-megatron-core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``. Every family here
-(attention layers only; dense, MoE and shared-expert MLPs) is built on ``GPTModel`` still: it
-is what the layer spec, the bridge's parameter names, LoRA, dist checkpoints and the CPU
-compatibility layer are written and tested against, and it builds these families exactly. A
-family with linear-attention layers (Qwen3.5 / Qwen3-Next's Gated DeltaNet) is the reason to
-move to ``HybridModel``, all families at once, so that one model class serves the backend.
+megatron-core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``. Every family built
+here (attention layers only; dense, MoE and shared-expert MLPs, GLM-4 MoE's sigmoid router
+included) is built on ``GPTModel`` still: it is what the layer spec, the bridge's parameter
+names, LoRA, dist checkpoints and the CPU compatibility layer are written and tested against,
+and it builds these families exactly; ``HybridModel`` would rename every parameter (its layer
+pattern places attention, MLP and MoE as separate layers), so the bridge, LoRA and checkpoints
+would change with it for no gain to these families. New attention-only families (DeepSeek-V3's
+multi-latent attention, when built) go on ``GPTModel`` too: its layer spec takes
+``MLASelfAttention``. Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers sit between attention
+layers, are what ``HybridModel`` is for; that family is refused here (its row's `megatron`
+reason) until it is built, and building it is the time to move every family to ``HybridModel``
+at once, so that one model class serves the backend.
 
 A critic (``head="value"``) is the same ``GPTModel`` with its vocabulary output layer replaced by
 `ValueHead`, a replicated ``[hidden] -> 1`` linear: the way verl / slime build a megatron critic
@@ -44,6 +50,15 @@ def rope_settings(hf_config: PretrainedConfig) -> tuple[float, str]:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         return float(getattr(hf_config, "rope_theta", 10000.0)), kind
     return float(params["rope_theta"]), params.get("rope_type", "default")
+
+
+def rotary_fraction(hf_config: PretrainedConfig) -> float:
+    """The fraction of each head's channels that rotary embeddings rotate (the first ones;
+    ``partial_rotary_factor`` of ``rope_parameters`` or of the config, 1.0 when unset)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(
+        params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    )
 
 
 def _check_mesh_matches_megatron(mesh: Mesh) -> None:
@@ -151,6 +166,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and head == "lm",
         position_embedding_type="rope",
         rotary_base=theta,
+        rotary_percent=rotary_fraction(hf_config),
     )
     if rope_type != "default":
         inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))

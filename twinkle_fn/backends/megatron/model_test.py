@@ -17,6 +17,7 @@ from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.megatron.bridge import hf_to_mcore
 from twinkle_fn.backends.megatron.model import build_gpt_model
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.models import families
 from twinkle_fn.models.families import FAMILIES, family
 from twinkle_fn.testing import tiny_config
 from twinkle_fn.testing_dist import spawn
@@ -54,6 +55,7 @@ def _expected_names(case: str) -> set[str]:
     if not cfg.tie_word_embeddings:
         names.add("output_layer.weight")
     dense_layers = set(getattr(cfg, "mlp_only_layers", None) or ())
+    dense_layers |= set(range(getattr(cfg, "first_k_dense_replace", 0)))  # GLM-4 MoE
     for i in range(cfg.num_hidden_layers):
         p = f"decoder.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"}
@@ -68,14 +70,15 @@ def _expected_names(case: str) -> set[str]:
                 p + "self_attention.q_layernorm.weight",
                 p + "self_attention.k_layernorm.weight",
             }
-        if family in ("qwen3_moe", "qwen2_moe", "mixtral") and i not in dense_layers:
+        if family in ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe") and i not in dense_layers:
             names.add(p + "mlp.router.weight")
             for j in range(getattr(cfg, "num_experts", None) or cfg.num_local_experts):
                 e = f"{p}mlp.experts.local_experts.{j}."
                 names |= {e + "linear_fc1.weight", e + "linear_fc2.weight"}
-            if family == "qwen2_moe":
+            if family in ("qwen2_moe", "glm4_moe"):
                 shared = p + "mlp.shared_experts."
                 names |= {shared + n for n in ("linear_fc1.weight", "linear_fc2.weight")}
+            if family == "qwen2_moe":
                 names.add(shared + "gate_weight")
         else:
             names |= {p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"}
@@ -127,7 +130,12 @@ def test_parameter_names_are_the_bridge_convention(megatron_world, case):
     model = build_gpt_model(tiny_config(family, **extra), Mesh())
     names = _expected_names(case)
     assert {n for n, _ in model.named_parameters()} == names
-    assert {k for k in model.state_dict() if not k.endswith("._extra_state")} == names
+    # GLM-4 MoE's router bias is a buffer of the checkpoint, not a parameter
+    row = families.family(family)
+    moe = set(row.moe_layers(tiny_config(family, **extra)))
+    bias = row.moe and row.moe.expert_bias
+    buffers = {f"decoder.layers.{i}.mlp.router.expert_bias" for i in moe} if bias else set()
+    assert {k for k in model.state_dict() if not k.endswith("._extra_state")} == names | buffers
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from twinkle_fn.backends.buckets import persistent_buffers
 from twinkle_fn.backends.megatron import lora, param_sync
 from twinkle_fn.backends.megatron.bridge import mcore_to_hf
 from twinkle_fn.backends.megatron.placement import model_placement
+from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
 
@@ -24,8 +27,9 @@ def settle(model: Model) -> None:
         param_sync.finish(placement.chunks)
 
 
-def full_weights(state: TrainState) -> dict[str, Tensor]:
-    """Every parameter as a whole HF tensor, by HF checkpoint name (a collective).
+def full_weights(state: TrainState, *, buffers: bool = True) -> dict[str, Tensor]:
+    """Every parameter as a whole HF tensor, by HF checkpoint name (a collective); with
+    `buffers`, the untrained checkpoint tensors too (a router's expert bias).
 
     Gathers one copy of each tp / pp / ep shard on every rank and joins them with the bridge's
     `mcore_to_hf` (MoE experts come out one tensor per expert). CPU tensors in the model's
@@ -42,7 +46,7 @@ def full_weights(state: TrainState) -> dict[str, Tensor]:
     sends_expert = expert["edp"] == 0
     local = {
         n: p.detach().cpu()
-        for n, p in placement.module.named_parameters()
+        for n, p in checkpoint_tensors(placement.module).items()
         if (sends_expert if is_expert(p) else sends_dense)
     }
     key = (coords["tp"], coords["pp"], expert["ep"], expert["etp"])
@@ -50,7 +54,7 @@ def full_weights(state: TrainState) -> dict[str, Tensor]:
     dist.all_gather_object(gathered, (key, sends_dense, local))
     dense = {k[:2]: part for k, is_dense, part in gathered if is_dense}
     states = {k: {**dense[k[:2]], **part} for k, _, part in gathered if part}
-    return dict(
+    whole = dict(
         mcore_to_hf(
             states,
             placement.hf_config,
@@ -62,6 +66,17 @@ def full_weights(state: TrainState) -> dict[str, Tensor]:
             head=placement.head,
         )
     )
+    moe = family(placement.hf_config).moe
+    if buffers or moe is None or moe.expert_bias is None:
+        return whole
+    bias = f".{moe.router}.{moe.expert_bias}"
+    return {n: t for n, t in whole.items() if not n.endswith(bias)}
+
+
+def checkpoint_tensors(module: torch.nn.Module) -> dict[str, Tensor]:
+    """`module`'s parameters and persistent buffers by megatron name: what the bridge maps to
+    HF tensors (a buffer such as the router's ``expert_bias`` is part of the checkpoint)."""
+    return {**persistent_buffers(module), **dict(module.named_parameters())}
 
 
 def is_expert(param: Tensor) -> bool:

@@ -8,11 +8,14 @@ import twinkle_fn as tf
 from twinkle_fn.backends.transformers import attention
 from twinkle_fn.backends.transformers.compute import model_inputs
 from twinkle_fn.data import pack
+from twinkle_fn.models import families
 from twinkle_fn.models.families import FAMILIES
 from twinkle_fn.testing import random_features, tiny_config
 
 CPU = torch.device("cpu")
 LENGTHS = (5, 9, 7)
+# The families whose packed rows the transformers backend trains (`Family.packed_rows`).
+PACKABLE = tuple(f for f in FAMILIES if families.family(f).packed_rows is None)
 
 
 def _module(family: str, device: torch.device, **overrides) -> torch.nn.Module:
@@ -52,10 +55,19 @@ def test_use_varlen_attention_switches_sdpa_models_only():
     assert eager.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PACKABLE)
 def test_a_packed_row_attends_within_each_sample_on_cpu(family):
     """On a CPU the packed row takes SDPA under the block mask built from cu_seqlens."""
     _packed_vs_alone(_module(family, CPU), CPU)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(PACKABLE)))
+def test_a_packed_row_of_a_family_that_cannot_keep_samples_apart_is_refused(family):
+    """Qwen3.5's DeltaNet layers would carry state across samples: refused with the reason."""
+    config = _module(family, CPU).config
+    with pytest.raises(ValueError, match=f"packed rows .* model family '{family}'") as err:
+        model_inputs(pack(_features()), CPU, config)
+    assert families.family(family).packed_rows in str(err.value)
 
 
 def test_a_sliding_window_holds_in_a_packed_row():

@@ -95,8 +95,11 @@ def model_inputs(
     mask transformers need not build (the mapping above, or one made on the device from the
     boundaries, which the varlen kernel does not read). Other packed batches get a
     block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not
-    isolate packed samples from ``position_ids`` alone.
+    isolate packed samples from ``position_ids`` alone. Raises ``ValueError`` for a packed
+    batch of a family that cannot keep packed samples apart (`Family.packed_rows`).
     """
+    if "cu_seqlens" in batch and config is not None:
+        _check_packable(config)
     ids = batch["input_ids"].to(device, non_blocking=True)  # [B, T]
     kwargs: dict[str, Any] = {"input_ids": ids}
     if "cu_seqlens" not in batch and _plainly_causal(batch, ids.shape[-1]):
@@ -120,6 +123,16 @@ def model_inputs(
     elif "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs
+
+
+def _check_packable(config: PretrainedConfig) -> None:
+    row = family(config)
+    if row.packed_rows is not None:
+        raise ValueError(
+            f"packed rows (batch['cu_seqlens']) are not supported for model family "
+            f"{row.name!r}: {row.packed_rows}. Use padded batches "
+            "(twinkle_fn.data.pad_collate) for it."
+        )
 
 
 def local_batch(model: Model, batch: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -23,7 +23,7 @@ from peft.tuners.lora import LoraLayer, ParamWrapper
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from twinkle_fn.backends.buckets import Bucket, buckets
+from twinkle_fn.backends.buckets import Bucket, buckets, persistent_buffers
 from twinkle_fn.backends.transformers import fsdp
 from twinkle_fn.backends.transformers.lora import _ADAPTER_OF_PARAM, _adapter_of_state
 from twinkle_fn.backends.transformers.lora import adapter_names as _adapter_names
@@ -74,6 +74,14 @@ def whole(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _plain(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for name, param in module.named_parameters():
         yield name, whole(param, dtype)
+    yield from _buffers(module, dtype)
+
+
+def _buffers(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The persistent buffers of `module` (`persistent_buffers`: GLM-4 MoE's and DeepSeek-V3's
+    router ``e_score_correction_bias``), which a rollout engine loads too."""
+    for name, buffer in persistent_buffers(module).items():
+        yield name, whole(buffer, dtype)
 
 
 def _adapter(
@@ -109,6 +117,7 @@ def _merged(
         weight = whole(param, torch.float32)
         delta = _delta(layer, plain, adapter)
         yield plain, (weight if delta is None else weight + delta).to(dtype)
+    yield from _buffers(module, dtype)
 
 
 def _adapting(layers: dict[str, LoraLayer], name: str, leaf: str) -> LoraLayer | None:

@@ -54,9 +54,15 @@ def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
 
     MoE experts stay whole under tp (their inputs are identical on every tp rank); expert
     parallelism belongs to the Megatron backend. Raises ``ValueError`` naming the size that `tp`
-    does not divide, or for an unknown family.
+    does not divide, for a family the backend does not split (`Family.tensor_parallel`), or
+    for an unknown family.
     """
     row = family(config)
+    if tp > 1 and row.tensor_parallel is not None:
+        raise ValueError(
+            f"tp={tp} is not supported for model family {row.name!r} on the transformers "
+            f"backend: {row.tensor_parallel}. Use tp=1 (fsdp or dp for more ranks)."
+        )
     plan = dict(row.tp_plan)
     sizes = {
         "attention heads": config.num_attention_heads,
@@ -66,7 +72,7 @@ def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
         sizes["MLP intermediate features"] = config.intermediate_size
     shared = row.moe.shared if row.moe is not None else None
     if shared is not None and any(sub.startswith(f"{shared.mlp}.") for sub in plan):
-        sizes["shared expert intermediate features"] = getattr(config, shared.ffn)
+        sizes["shared expert intermediate features"] = shared.size(config)
     for what, n in sizes.items():
         if n % tp:
             raise ValueError(

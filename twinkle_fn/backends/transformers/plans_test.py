@@ -12,6 +12,13 @@ def test_every_family_has_a_plan_with_attention_split():
     for name in FAMILIES:
         plan = family(name).tp_plan
         assert plan["self_attn.q_proj"] == "colwise" and plan["self_attn.o_proj"] == "rowwise"
+        assert tp_plan(tiny_config(name), 1) == plan
+        if family(name).tensor_parallel is not None:
+            with pytest.raises(
+                ValueError, match=f"tp=2 is not supported for model family '{name}'"
+            ):
+                tp_plan(tiny_config(name), 2)
+            continue
         assert tp_plan(tiny_config(name), 2) == plan
 
 
