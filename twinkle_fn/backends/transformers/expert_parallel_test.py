@@ -1,7 +1,7 @@
 """Expert parallelism on the transformers backend: qwen3_moe on two real gloo ranks (ep2 with dp2
 and with fsdp2) trains like one process, its shards are what the specs predict, and its
-checkpoint and weight export are one process's; meshes and families it does not run are refused
-before compute."""
+checkpoint and weight export are one process's; qwen2_moe and mixtral train like one process on
+fsdp2xep2 too; meshes and families it does not run are refused before compute."""
 
 import pytest
 import torch
@@ -19,19 +19,21 @@ from twinkle_fn.testing_dist import spawn
 STEPS = 2
 MESHES = {"dp2xep2": {"dp": 2, "ep": 2}, "fsdp2xep2": {"fsdp": 2, "ep": 2}}
 PARAM_ATOL = 2e-5
+# The same code on the other MoE families' layouts: a shared expert (qwen2_moe), Mixtral's.
+OTHER_FAMILIES = ("qwen2_moe", "mixtral")
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def _state(mesh):
-    model = tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0, device="cpu")
+def _state(mesh, family="qwen3_moe"):
+    model = tf.models.from_hf_config(tiny_config(family), seed=0, device="cpu")
     full = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     tx = tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(1e-2))
     return tf.init(model, tx, mesh), full
 
 
-def _train(mesh):
+def _train(mesh, family="qwen3_moe"):
     """STEPS AdamW steps, each rank on its slice of each global batch; the losses and the state."""
-    state, full = _state(mesh)
+    state, full = _state(mesh, family)
     losses = []
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
@@ -72,6 +74,9 @@ def _on_two_ranks(checkpoint_dir):
         }
         if name == "dp2xep2":
             tf.checkpoint.save(state, checkpoint_dir)
+    for family in OTHER_FAMILIES:
+        losses, state, _ = _train(tf.Mesh(fsdp=2, ep=2), family)
+        out[family] = {"losses": losses, "params": tf.unshard(state)}
     dense = tf.models.from_hf_config(tiny_config("qwen2"), seed=0, device="cpu")
     try:
         tf.init(dense, tf.optim.adamw(1e-2), tf.Mesh(dp=2, ep=2))
@@ -85,11 +90,14 @@ def runs(tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("ep") / "ckpt"
     losses, state, _ = _train(tf.Mesh())
     reference = {"losses": losses, "params": tf.unshard(state), "export": _exported(state)}
+    for family in OTHER_FAMILIES:
+        losses, state, _ = _train(tf.Mesh(), family)
+        reference[family] = {"losses": losses, "params": tf.unshard(state)}
     two = spawn(_on_two_ranks, 2, str(checkpoint_dir), timeout_s=300)
     return reference, two, checkpoint_dir
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", [*MESHES, *OTHER_FAMILIES])
 def test_ep_trains_like_one_process(name, runs):
     """float32 (transformers' grouped-GEMM experts have no float64 kernel on CPU): the ranks
     run each (token, expert) row through the same expert as one process, but apply the routing
@@ -98,15 +106,15 @@ def test_ep_trains_like_one_process(name, runs):
     absolute (Adam's first steps move an element by ~lr = 1e-2 whatever its gradient's size,
     so a near-zero gradient that differs by rounding moves it by up to a few 1e-6)."""
     reference, two, _ = runs
+    ref = reference.get(name, reference)
     for out in (r[name] for r in two):
-        assert out["losses"] == pytest.approx(reference["losses"], rel=1e-6)
-        assert out["params"].keys() == reference["params"].keys()
-        worst = {
-            n: (p - reference["params"][n]).abs().max().item() for n, p in out["params"].items()
-        }
+        assert out["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert out["params"].keys() == ref["params"].keys()
+        worst = {n: (p - ref["params"][n]).abs().max().item() for n, p in out["params"].items()}
         assert max(worst.values()) <= PARAM_ATOL, max(worst, key=worst.get)
-        assert out["mismatched"] == []
-        assert out["local_experts"] == 2  # 4 experts over ep=2
+        if name in MESHES:
+            assert out["mismatched"] == []
+            assert out["local_experts"] == 2  # 4 experts over ep=2
 
 
 def test_tf_init_refuses_ep_for_a_dense_family(runs):
