@@ -14,6 +14,8 @@ the root:
 - both: shards over ``fsdp`` as above, replicated over ``dp`` (HSDP: parameter all-gathers stay
   within an fsdp group).
 
+MoE experts under ``ep`` are split over the ep ranks first and sharded by FSDP2 over the ranks
+holding the same experts (``edp``) only; see `twinkle_fn.backends.transformers.expert_parallel`.
 Gradients are reduced as *sums* (divide factor 1): the core normalises once by the global token
 count. ``ulysses`` ranks split each sequence and replicate the parameters; see
 `twinkle_fn.backends.transformers.ulysses` for why (and how their gradients are summed).
@@ -65,7 +67,6 @@ class Placement:
     device_mesh: DeviceMesh
     dp_group: dist.ProcessGroup | None  # all ranks holding other tokens (dp x fsdp x ulysses)
     ulysses_group: dist.ProcessGroup | None = None
-    expert_mesh: DeviceMesh | None = None  # ("edp", "ep") under expert parallelism
 
 
 def device_mesh(mesh: Mesh) -> DeviceMesh:
@@ -144,7 +145,7 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 m.set_gradient_divide_factor(1.0)
                 # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL is zero-copy with SUM.
                 m.set_force_sum_reduction_for_comms(True)
-    placement = Placement(mesh, dm, _dp_group(mesh), ulysses_group, expert_dm)
+    placement = Placement(mesh, dm, _dp_group(mesh), ulysses_group)
     return dataclasses.replace(model, placement=placement)
 
 

@@ -53,8 +53,8 @@ Specs = tuple[ShardSpec, ...]
 def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
     """The tensor-parallel plan of `config`'s family, after checking `tp` divides what it splits.
 
-    MoE experts stay whole under tp (their inputs are identical on every tp rank); expert
-    parallelism belongs to the Megatron backend. Raises ``ValueError`` naming the size that `tp`
+    MoE experts stay whole under tp (their inputs are identical on every tp rank); they split
+    over ``ep`` instead (`twinkle_fn.backends.transformers.expert_parallel`). Raises ``ValueError`` naming the size that `tp`
     does not divide, or for an unknown family.
     """
     row = family(config)
