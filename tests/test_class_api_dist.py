@@ -21,6 +21,9 @@ from twinkle_fn.testing_dist import spawn
 
 COOKBOOK = Path(__file__).resolve().parent.parent / "cookbook"
 GLOBAL_BATCH, GAS, STEPS = 8, 2, 2
+EP_MESH = DeviceMesh.from_sizes(fsdp_size=2, dp_size=1, ep_size=2)
+EP = {"enabled": True, "router_dtype": "fp32", "keep_router_logits": False}
+EP_OPTIONS = dict(strategy="native_fsdp", fsdp_config={"expert_parallel": EP})
 SEED_EXAMPLE = dict(num_samples=48, batch_size=4, gradient_accumulation_steps=4, lr=1e-2)
 
 
@@ -28,10 +31,15 @@ def _features():
     return random_features(GLOBAL_BATCH * GAS * STEPS, seed=1)
 
 
-def _class_api(mesh):
+def _class_api(mesh, family="qwen2", dtype=torch.float64, **options):
     """STEPS steps of GAS micro-batches of GLOBAL_BATCH rows (each rank its DataLoader share)."""
     model = TransformersModel(
-        config=tiny_config(), device_mesh=mesh, mixed_precision="no", dtype=torch.float64, seed=0
+        config=tiny_config(family),
+        device_mesh=mesh,
+        mixed_precision="no",
+        dtype=dtype,
+        seed=0,
+        **options,
     )
     model.set_optimizer("AdamW", lr=1e-2)
     losses, norms = [], []
@@ -47,9 +55,9 @@ def _class_api(mesh):
     return losses, norms, model.get_state_dict(), logps
 
 
-def _functional(mesh):
-    model = tf.models.from_hf_config(tiny_config(), seed=0)
-    model.module.to(torch.float64)
+def _functional(mesh, family="qwen2", dtype=torch.float64):
+    model = tf.models.from_hf_config(tiny_config(family), seed=0)
+    model.module.to(dtype)
     tx = tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(1e-2))
     state = tf.init(model, tx, mesh, seed=0)
     feats = _features()
@@ -74,6 +82,10 @@ def _on_two_ranks(model_dir):
         "seed_example": seed_example(model_dir, dp_size=1, fsdp_size=2, **SEED_EXAMPLE),
         "class_api": _class_api(mesh),
         "functional": _functional(mesh.core_mesh),
+        # upstream's ep_fsdp2_lora_qwen3_5_moe.py mesh and options, on qwen3_moe (float32: the
+        # grouped-GEMM experts have no float64 kernel on CPU)
+        "class_api_ep": _class_api(EP_MESH, "qwen3_moe", torch.float32, **EP_OPTIONS),
+        "functional_ep": _functional(EP_MESH.core_mesh, "qwen3_moe", torch.float32),
         "data_rank": mesh.data_rank,
     }
 
@@ -117,6 +129,20 @@ def test_class_api_equals_functional_api_on_fsdp2(ranks):
         ref_losses, ref_norms, ref_params = r["functional"]
         assert losses == ref_losses and norms == ref_norms
         assert params.keys() == ref_params.keys()
+        for name in params:
+            assert torch.equal(params[name], ref_params[name]), name
+
+
+def test_class_api_equals_functional_api_on_fsdp2xep2(ranks):
+    """Upstream's EP cookbook mesh on an MoE model: the same core calls as the functional API
+    on the same expert shards, bit for bit (parity with one process:
+    ``twinkle_fn/backends/transformers/expert_parallel_test.py``)."""
+    for r in ranks:
+        losses, norms, params, _ = r["class_api_ep"]
+        ref_losses, ref_norms, ref_params = r["functional_ep"]
+        assert losses == ref_losses and norms == ref_norms
+        assert params.keys() == ref_params.keys()
+        assert "model.layers.0.mlp.experts.gate_up_proj" in params
         for name in params:
             assert torch.equal(params[name], ref_params[name]), name
 

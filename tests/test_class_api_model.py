@@ -454,6 +454,9 @@ def test_adapter_errors():
         ({"ddp_config": {"find_unused_parameters": True}}, "ddp_config"),
         ({"strategy": "deepspeed"}, "strategy"),
         ({"fsdp_config": {"cpu_offload": True}}, "cpu_offload"),
+        ({"fsdp_config": {"expert_parallel": {"ep_size": 2}}}, r"'expert_parallel'\] keys"),
+        ({"fsdp_config": {"expert_parallel": {"router_dtype": "bf16"}}}, "router_dtype.*'fp32'"),
+        ({"fsdp_config": {"expert_parallel": {"enabled": "yes"}}}, r"\['enabled'\] must be a bool"),
         ({"model_cls": "AutoModelForSequenceClassification"}, "causal LM"),
         ({"hidden_sizes": 3}, "unknown TransformersModel arguments"),
     ],
@@ -461,6 +464,17 @@ def test_adapter_errors():
 def test_unsupported_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TransformersModel(config=tiny_config(), **kwargs)
+
+
+def test_expert_parallel_disabled_on_an_ep_mesh_is_refused():
+    from twinkle import DeviceMesh
+    from twinkle.model._build import check_expert_parallel
+
+    mesh = DeviceMesh.from_sizes(dp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match="enabled'\\]=False with a mesh of ep_size=2"):
+        check_expert_parallel({"expert_parallel": {"enabled": False}}, mesh)
+    check_expert_parallel({"expert_parallel": {"enabled": True}}, mesh)
+    check_expert_parallel({}, mesh)
 
 
 def test_mesh_must_match_the_world_and_a_source_is_needed():

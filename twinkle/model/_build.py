@@ -21,7 +21,9 @@ from twinkle_fn.distributed import init_distributed, world_size
 
 PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 STRATEGIES = ("accelerate", "native_fsdp")
-FSDP_OPTIONS = ("activation_checkpointing",)
+FSDP_OPTIONS = ("activation_checkpointing", "expert_parallel")
+# upstream's ``fsdp_config["expert_parallel"]`` keys; the mesh's ep_size decides the split.
+EXPERT_PARALLEL_OPTIONS = ("enabled", "router_dtype", "keep_router_logits")
 
 
 def check_precision(mixed_precision: str) -> None:
@@ -43,7 +45,8 @@ def check_options(
     `fsdp_config` as a dict.
 
     Raises ``ValueError`` for a `model_cls` that is not a causal LM, an unknown `strategy`, any
-    `ddp_config` or `grad_scaler_config`, and unknown `fsdp_config` keys.
+    `ddp_config` or `grad_scaler_config`, unknown `fsdp_config` keys and a bad
+    ``fsdp_config["expert_parallel"]`` (`check_expert_parallel`).
     """
     name = model_cls if isinstance(model_cls, str) else getattr(model_cls, "__name__", "")
     if not name.endswith("ForCausalLM"):
@@ -66,7 +69,40 @@ def check_options(
     unknown = sorted(set(fsdp_config) - set(FSDP_OPTIONS))
     if unknown:
         raise ValueError(f"fsdp_config keys {unknown} are not supported; known: {FSDP_OPTIONS}")
+    _check_expert_parallel_options(fsdp_config.get("expert_parallel") or {})
     return fsdp_config
+
+
+def _check_expert_parallel_options(options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(EXPERT_PARALLEL_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"fsdp_config['expert_parallel'] keys {unknown} are not supported; known: "
+            f"{EXPERT_PARALLEL_OPTIONS}"
+        )
+    for key in ("enabled", "keep_router_logits"):
+        if not isinstance(options.get(key, True), bool):
+            raise ValueError(
+                f"fsdp_config['expert_parallel']['{key}'] must be a bool, got {options[key]!r}"
+            )
+    if options.get("router_dtype", "fp32") != "fp32":
+        raise ValueError(
+            f"fsdp_config['expert_parallel']['router_dtype']={options['router_dtype']!r} is not "
+            "supported: the routers take their softmax in float32 (as transformers' do); use 'fp32'"
+        )
+
+
+def check_expert_parallel(fsdp_config: Mapping[str, Any], mesh: DeviceMesh) -> None:
+    """Check ``fsdp_config["expert_parallel"]["enabled"]`` against the mesh, which decides
+    expert parallelism (its ``ep_size``; the transformers backend splits the MoE experts over
+    it). Raises ``ValueError`` for ``enabled=False`` with ``ep_size > 1``."""
+    options = fsdp_config.get("expert_parallel") or {}
+    ep = mesh.core_mesh.ep
+    if not options.get("enabled", True) and ep > 1:
+        raise ValueError(
+            f"fsdp_config['expert_parallel']['enabled']=False with a mesh of ep_size={ep}: the "
+            "mesh splits the experts; use ep_size=1 (no expert parallelism) or enabled=True"
+        )
 
 
 def device_mesh(mesh: DeviceMesh | None) -> DeviceMesh:

@@ -60,7 +60,10 @@ class TransformersModel(TrainableModel):
     `twinkle.initialize`, else dp over the torch.distributed world) must match the world.
     `mixed_precision`: ``'no'``, ``'bf16'`` or ``'fp16'`` autocast over float32 master weights.
     `strategy`: ``'accelerate'`` or ``'native_fsdp'``, both FSDP2/DTensor through the core.
-    `fsdp_config`: ``{"activation_checkpointing": bool}``. Extra keyword arguments:
+    `fsdp_config`: ``{"activation_checkpointing": bool, "expert_parallel": {"enabled": bool,
+    "router_dtype": "fp32", "keep_router_logits": bool}}`` (upstream's; the mesh's ``ep_size``
+    splits an MoE model's experts over the ep ranks, ``enabled=False`` with ``ep_size > 1`` is
+    refused; EP changes the experts only, so the router's logits are transformers' either way). Extra keyword arguments:
     ``tokenizer_id``, ``seed`` (random init and dropout; default the `initialize` seed),
     ``dtype``/``torch_dtype`` (parameter dtype, e.g. float64 for exact tests), and, with
     `config`, fields of the config to override. Raises ``ValueError`` for what the core does
@@ -87,6 +90,7 @@ class TransformersModel(TrainableModel):
             model_cls, strategy, ddp_config, fsdp_config, grad_scaler_config
         )
         super().__init__(model_id, device_mesh, mixed_precision, kwargs)
+        _build.check_expert_parallel(fsdp_config, self.device_mesh)
         self.strategy = strategy
         self._model = _build.build_model(
             model_id, config, kwargs, mixed_precision, fsdp_config, self._seed, head=self._HEAD

@@ -14,6 +14,8 @@ the root:
 - both: shards over ``fsdp`` as above, replicated over ``dp`` (HSDP: parameter all-gathers stay
   within an fsdp group).
 
+MoE experts under ``ep`` are split over the ep ranks first and sharded by FSDP2 over the ranks
+holding the same experts (``edp``) only; see `twinkle_fn.backends.transformers.expert_parallel`.
 Gradients are reduced as *sums* (divide factor 1): the core normalises once by the global token
 count. ``ulysses`` ranks split each sequence and replicate the parameters; see
 `twinkle_fn.backends.transformers.ulysses` for why (and how their gradients are summed).
@@ -40,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from twinkle_fn.backends import compile_layers as layer_compiler
-from twinkle_fn.backends.transformers import ulysses
+from twinkle_fn.backends.transformers import expert_parallel, ulysses
 from twinkle_fn.backends.transformers.plans import (
     COLWISE,
     SEQUENCE_PARALLEL_LAYER,
@@ -71,7 +73,7 @@ def device_mesh(mesh: Mesh) -> DeviceMesh:
     """The torch ``DeviceMesh`` of `mesh` with dims ``("dp", "fsdp", "ulysses", "tp")`` in our
     rank order.
 
-    Raises ``ValueError`` for pp, cp or ep > 1 (those belong to the Megatron backend) and when
+    Raises ``ValueError`` for pp or cp > 1 (those belong to the Megatron backend) and when
     the mesh does not match the world.
     """
     check_mesh(mesh)
@@ -88,11 +90,14 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
     """Shard `model`'s module in place over `mesh`; returns the model with its placement.
 
     Its parameters become DTensors (new parameter objects: read them from the module again).
+    Under ``ep`` the MoE experts split over the ep ranks first
+    (`twinkle_fn.backends.transformers.expert_parallel`) and FSDP2 shards them over ``edp``.
     Raises ``ValueError``
-    when tp does not divide the model's heads or features, ulysses its heads per tp rank, or
-    for meshes the backend lacks.
+    when tp does not divide the model's heads or features, ulysses its heads per tp rank, ep
+    the experts (or the family has none), or for meshes the backend lacks.
     """
     module = model.module
+    expert_parallel.check_expert_parallel(module.config, mesh)
     if mesh.ulysses > 1:
         ulysses.check_ulysses(module.config, mesh.ulysses, mesh.tp, mesh.sequence_parallel)
     dm = device_mesh(mesh)
@@ -116,9 +121,17 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 styles.update(_sp_styles(SEQUENCE_PARALLEL_LAYER))
             parallelize_module(layer, dm["tp"], styles)
     compile_layers(model)
+    expert_dm, experts = None, []
+    if mesh.ep > 1:
+        expert_dm = expert_parallel.expert_device_mesh(mesh)
+        experts = expert_parallel.shard_experts(layers, module.config, expert_dm, dm["tp"])
     if mesh.data_world_size > 1:
         data_mesh = _data_mesh(dm, mesh)
         mp = _mixed_precision(model.compute_dtype)
+        for m in experts:
+            # Innermost first, so the layer's own FSDP2 group leaves the expert tensors alone:
+            # they are sharded and reduced over the ranks holding the same experts only.
+            fully_shard(m, mesh=expert_dm["edp"], mp_policy=mp, reshard_after_forward=mesh.fsdp > 1)
         for i, layer in enumerate(layers):
             # The last layer's backward runs right after the forward: keep it unsharded. dp alone
             # keeps every layer whole until its backward (ZeRO-2).

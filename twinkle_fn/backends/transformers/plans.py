@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from transformers import PretrainedConfig
 
+from twinkle_fn.backends.transformers.expert_parallel import expert_spec
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import COLWISE, family
 from twinkle_fn.sharding import ShardSpec, local_shard
@@ -52,10 +53,10 @@ Specs = tuple[ShardSpec, ...]
 def tp_plan(config: PretrainedConfig, tp: int) -> dict[str, str]:
     """The tensor-parallel plan of `config`'s family, after checking `tp` divides what it splits.
 
-    MoE experts stay whole under tp (their inputs are identical on every tp rank); expert
-    parallelism belongs to the Megatron backend. Raises ``ValueError`` naming the size that `tp`
-    does not divide, for a family the backend does not split (`Family.tensor_parallel`), or
-    for an unknown family.
+    MoE experts stay whole under tp (their inputs are identical on every tp rank); they split
+    over ``ep`` instead (`twinkle_fn.backends.transformers.expert_parallel`). Raises
+    ``ValueError`` naming the size that `tp` does not divide, for a family the backend does not
+    split (`Family.tensor_parallel`), or for an unknown family.
     """
     row = family(config)
     if tp > 1 and row.tensor_parallel is not None:
@@ -108,11 +109,16 @@ def param_specs(names: Iterable[str], config: PretrainedConfig, mesh: Mesh) -> d
     Parameters outside the plan (embeddings, norms, the lm_head, MoE experts) are replicated over
     tp. Every parameter is split on dim 0 of its tp-local tensor, as FSDP2 does, over ``fsdp``,
     or over ``dp`` when that is the only data axis (`twinkle_fn.backends.transformers.fsdp`'s ZeRO-2).
+    Under ``ep`` the MoE expert tensors split over ``ep`` then ``edp`` instead
+    (`twinkle_fn.backends.transformers.expert_parallel.expert_spec`).
     """
     plan = tp_plan(config, mesh.tp)
     data = ShardSpec(0, data_axis(mesh))
     specs = {}
     for name in names:
+        if mesh.ep > 1 and (experts := expert_spec(name, config)) is not None:
+            specs[name] = experts
+            continue
         tp_spec = _tp_spec(plan, name)
         specs[name] = (tp_spec, data) if tp_spec else (data,)
     return specs

@@ -14,18 +14,20 @@ from collections.abc import Mapping
 import torch
 from transformers import PretrainedConfig
 
+from twinkle_fn.backends.transformers.expert_parallel import check_expert_parallel
 from twinkle_fn.backends.transformers.plans import local_specs, param_specs
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.sharding import unshard_pieces
 
 
 def check_mesh(mesh: Mesh) -> None:
-    """Refuse a mesh this backend does not place on. Raises ``ValueError`` for pp, cp or ep
-    > 1 (the megatron backend's axes)."""
-    if mesh.pp > 1 or mesh.cp > 1 or mesh.ep > 1:
+    """Refuse a mesh this backend does not place on. Raises ``ValueError`` for pp or cp > 1
+    (the megatron backend's axes); ep is checked against the model
+    (`twinkle_fn.backends.transformers.expert_parallel.check_expert_parallel`)."""
+    if mesh.pp > 1 or mesh.cp > 1:
         raise ValueError(
-            f"the fsdp backend parallelises over dp, fsdp and tp; {mesh} asks for pp/cp/ep, "
-            "which the megatron backend provides"
+            f"the fsdp backend parallelises over dp, fsdp, tp and (for MoE experts) ep; {mesh} "
+            "asks for pp/cp, which the megatron backend provides"
         )
 
 
@@ -38,10 +40,12 @@ def shard_params(
     ``state_dict``, peft LoRA layers included) to whole tensors of any shape with a dim 0. The
     pieces are views of `full`'s tensors (empty where an uneven split leaves the rank nothing).
     Raises ``ValueError`` for a mesh the backend does not place on (see `check_mesh`), a `rank`
-    outside the mesh, a tp that does not divide the model (`plans.tp_plan`), or a 0-d tensor.
+    outside the mesh, a tp that does not divide the model (`plans.tp_plan`), an ep the model
+    cannot split (`expert_parallel.check_expert_parallel`), or a 0-d tensor.
     """
     check_mesh(mesh)
-    coords = mesh.coords(rank)
+    check_expert_parallel(config, mesh)
+    coords = {**mesh.coords(rank), **mesh.expert_coords(rank)}
     specs = param_specs(full, config, mesh)
     return {n: local_specs(t, specs[n], coords, mesh) for n, t in full.items()}
 
@@ -58,6 +62,7 @@ def unshard_params(
     replicas that differ (`twinkle_fn.sharding.unshard_pieces`).
     """
     check_mesh(mesh)
+    check_expert_parallel(config, mesh)
     if not pieces_by_rank:
         raise ValueError("unshard_params got no pieces; pass every rank's pieces by rank")
     ranks = sorted(pieces_by_rank)

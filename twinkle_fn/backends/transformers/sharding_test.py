@@ -44,12 +44,18 @@ def test_dp_alone_splits_the_data_axis_like_zero2():
     assert torch.equal(mine[NORM], _full()[NORM][16:])
 
 
-@pytest.mark.parametrize("sizes", [{"pp": 2}, {"cp": 2}, {"ep": 2, "dp": 2}])
+@pytest.mark.parametrize("sizes", [{"pp": 2}, {"cp": 2}])
 def test_megatron_axes_are_refused(sizes):
-    with pytest.raises(ValueError, match="asks for pp/cp/ep"):
+    with pytest.raises(ValueError, match="asks for pp/cp"):
         check_mesh(tf.Mesh(**sizes))
-    with pytest.raises(ValueError, match="asks for pp/cp/ep"):
+    with pytest.raises(ValueError, match="asks for pp/cp"):
         shard_params(_full(), tf.Mesh(**sizes), CFG, 0)
+
+
+def test_ep_is_refused_for_a_dense_family():
+    # ep splits MoE experts (expert_parallel_test.py); this dense model has none
+    with pytest.raises(ValueError, match="mesh ep=2 splits mixture-of-experts layers"):
+        shard_params(_full(), tf.Mesh(ep=2, dp=2), CFG, 0)
 
 
 def test_unshard_params_errors():
