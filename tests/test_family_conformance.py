@@ -50,6 +50,8 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weig
 # The rows megatron-core builds, and those only the transformers backend trains.
 MEGATRON = tuple(name for name in FAMILIES if family(name).megatron is None)
 TRANSFORMERS_ONLY = tuple(name for name in FAMILIES if family(name).megatron is not None)
+# Rows the transformers backend splits over tp (`Family.tensor_parallel`: None).
+TRANSFORMERS_TP = tuple(name for name in FAMILIES if family(name).tensor_parallel is None)
 # Rows whose router has an expert bias: a checkpoint buffer, zero in a fresh model.
 EXPERT_BIAS = tuple(
     name for name in MEGATRON if family(name).moe and family(name).moe.expert_bias is not None
@@ -183,6 +185,8 @@ def _two_ranks() -> dict:
         for sizes in _meshes(name):
             out[name, str(sizes)] = _step(name, "megatron", sizes)
             parallel.destroy()
+    for name in TRANSFORMERS_TP:
+        out[name, "transformers-tp2"] = _step(name, "transformers", {"tp": 2})
     return out
 
 
@@ -235,6 +239,16 @@ def test_a_training_step_on_two_ranks_equals_one_process(one_process, two_ranks,
     for per_rank in two_ranks:
         for sizes in _meshes(name):
             _assert_same_step(per_rank[name, str(sizes)], one_process[1][name]["step"])
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_TP)
+def test_a_transformers_tp2_step_equals_one_process(two_ranks, name):
+    """The transformers backend's tp plan on two ranks trains as one process: every replicated
+    parameter whose gradient each rank computes from its own heads only (q/k norms) is summed
+    over tp."""
+    want = _step(name, "transformers")
+    for per_rank in two_ranks:
+        _assert_same_step(per_rank[name, "transformers-tp2"], want)
 
 
 @pytest.mark.parametrize("name", MEGATRON)

@@ -119,6 +119,8 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
             styles = {s: _tp_style(v, sp) for s, v in layer_plan.items()}
             if sp:
                 styles.update(_sp_styles(SEQUENCE_PARALLEL_LAYER))
+            if family(module.config).has_qk_norm(module.config):
+                styles.update(_head_norm_styles(layer))
             parallelize_module(layer, dm["tp"], styles)
     compile_layers(model)
     expert_dm, experts = None, []
@@ -185,6 +187,28 @@ def _tp_style(style: str, sequence_parallel: bool) -> ParallelStyle:
     if sequence_parallel:  # reduce-scatter the output back to sequence shards
         return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     return RowwiseParallel()
+
+
+def _head_norm_styles(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
+    """The q/k norms of `layer` as replicated DTensor weights over tp.
+
+    A q/k norm scales every head by one weight, and under tp a rank holds its own heads only,
+    so its local weight gradient sums over those heads alone: the gradient must be summed over
+    tp. Declaring the norm's input split over tp (on dim 0: any dim but the normalised last one
+    gives the same arithmetic) makes the weight a replicated DTensor, whose gradient DTensor
+    reduces over tp, as the sequence-parallel norms' does; the output goes back to the local
+    tensor the attention expects.
+    """
+    names = {n for n, _ in layer.named_modules()}
+    return {
+        name: SequenceParallel(sequence_dim=0, use_local_output=True)
+        for name in HEAD_NORMS
+        if name in names
+    }
+
+
+# The per-head norms of a decoder layer's attention (`Family.qk_norm`).
+HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 def _sp_styles(plan: dict[str, str]) -> dict[str, ParallelStyle]:
