@@ -82,6 +82,13 @@ def _on_two_ranks(checkpoint_dir):
         tf.init(dense, tf.optim.adamw(1e-2), tf.Mesh(dp=2, ep=2))
     except ValueError as e:
         out["dense_refusal"] = str(e)
+    # peft's "all-linear" adapts the fused experts too, which the dispatch would not split
+    adapted = tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0, device="cpu")
+    adapted = tf.lora.add_lora(adapted, {"r": 2, "target_modules": "all-linear"})
+    try:
+        tf.init(adapted, tf.optim.adamw(1e-2), tf.Mesh(dp=2, ep=2))
+    except ValueError as e:
+        out["lora_refusal"] = str(e)
     return out
 
 
@@ -120,6 +127,11 @@ def test_ep_trains_like_one_process(name, runs):
 def test_tf_init_refuses_ep_for_a_dense_family(runs):
     _, two, _ = runs
     assert all("a qwen2 model has none" in r.get("dense_refusal", "") for r in two)
+
+
+def test_tf_init_refuses_ep_with_adapters_on_the_experts(runs):
+    _, two, _ = runs
+    assert all("train without adapters on the experts" in r.get("lora_refusal", "") for r in two)
 
 
 def test_ep_checkpoint_loads_on_one_process(runs):
