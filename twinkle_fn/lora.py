@@ -276,6 +276,25 @@ def moe_targets(hf_module: torch.nn.Module) -> MoeTargets:
     return MoeTargets(tuple(experts), tuple(gates))
 
 
+def _kept_by_peft(config: LoraConfig, names: set[str], hf_module: torch.nn.Module) -> set[str]:
+    """The target module `names` that peft's loader keeps as modules on `hf_module`'s family.
+
+    For some MoE families (GLM-4 MoE, DeepSeek-V3) peft reads ``gate_proj`` / ``up_proj`` /
+    ``down_proj`` targets as transformers 4's per-expert linears and turns them into targets of
+    the fused experts when it loads an adapter, so an adapter on a dense or shared-expert MLP
+    of those names would not load as trained: "all-linear" leaves such names out (the experts
+    are adapted through ``target_parameters``). peft's own conversion decides which names.
+    """
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft that converts no config keeps every name
+        return names
+    probe = copy.deepcopy(config)
+    probe.target_modules, probe.target_parameters = set(names), None
+    convert_peft_config_for_transformers(probe, hf_module, None)
+    return names & set(probe.target_modules or ())
+
+
 def resolve_moe_targets(config: LoraConfig, hf_module: torch.nn.Module) -> LoraConfig:
     """`config` (a private copy, changed in place and returned) with its MoE targets resolved.
 
@@ -302,11 +321,12 @@ def resolve_moe_targets(config: LoraConfig, hf_module: torch.nn.Module) -> LoraC
         return config
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         head = hf_module.get_output_embeddings()
-        config.target_modules = {
+        linears = {
             name.rsplit(".", 1)[-1]
             for name, m in hf_module.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head and name not in targets.gates
         }
+        config.target_modules = _kept_by_peft(config, linears, hf_module)
         if config.target_parameters is None:
             chosen = targets.layer_paths()
     if config.target_modules is not None:
