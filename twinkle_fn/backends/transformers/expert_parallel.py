@@ -22,11 +22,13 @@ expects.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import transformers
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
-from transformers.distributed.expert_parallel import apply_expert_parallelism
 
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import family
@@ -35,6 +37,22 @@ from twinkle_fn.sharding import ShardSpec
 DISPATCH = "ep_dispatch_experts"
 PARAM_SHARD = "grouped_gemm"
 _LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.\*\.(?P<sub>.+)$")
+
+
+def _transformers_ep() -> Callable[..., Any]:
+    """transformers' ``apply_expert_parallelism``, imported on an ep mesh only: recent
+    transformers ship it (5.24 does, 5.17 does not), and the backend runs on older ones without
+    ep. Raises ``ValueError`` naming the installed version when it lacks it."""
+    try:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+    except ImportError as e:
+        raise ValueError(
+            f"mesh ep > 1 on the transformers backend runs on transformers' expert "
+            f"parallelism (transformers.distributed.expert_parallel), which transformers "
+            f"{transformers.__version__} lacks; upgrade transformers (5.24 has it), or use "
+            "ep=1 or the megatron backend"
+        ) from e
+    return apply_expert_parallelism
 
 
 def check_expert_parallel(config: PretrainedConfig, mesh: Mesh) -> None:
@@ -46,6 +64,7 @@ def check_expert_parallel(config: PretrainedConfig, mesh: Mesh) -> None:
     """
     if mesh.ep == 1:
         return
+    _transformers_ep()
     name = getattr(config, "model_type", "?")
     if family(config).moe is None:
         raise ValueError(
@@ -138,6 +157,6 @@ def shard_experts(
                     "train without adapters on the experts, or use ep=1"
                 )
         local = {sub: style for sub, style in plan.items() if sub in names or sub in params}
-        apply_expert_parallelism(layer, expert_dm["ep"], tp_dm, local)
+        _transformers_ep()(layer, expert_dm["ep"], tp_dm, local)
         out.extend(layer.get_submodule(sub) for sub in found)
     return out

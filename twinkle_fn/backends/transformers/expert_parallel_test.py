@@ -3,8 +3,11 @@ and with fsdp2) trains like one process, its shards are what the specs predict, 
 checkpoint and weight export are one process's; qwen2_moe and mixtral train like one process on
 fsdp2xep2 too; meshes and families it does not run are refused before compute."""
 
+import sys
+
 import pytest
 import torch
+import transformers
 
 import twinkle_fn as tf
 from twinkle_fn.backends.transformers.expert_parallel import check_expert_parallel, expert_spec
@@ -196,4 +199,15 @@ def test_a_family_without_a_transformers_ep_plan_is_refused():
     config = tiny_config("qwen3_moe")
     config.base_model_ep_plan = None
     with pytest.raises(ValueError, match="qwen3_moe's config has"):
+        check_expert_parallel(config, tf.Mesh(dp=2, ep=2))
+
+
+def test_ep_on_a_transformers_without_its_expert_parallelism_is_refused(monkeypatch):
+    """A transformers that predates ``transformers.distributed.expert_parallel`` (the GPU
+    machines' 5.17) still runs the backend; an ep mesh is refused naming the version, and an
+    ep=1 mesh never imports it."""
+    monkeypatch.setitem(sys.modules, "transformers.distributed.expert_parallel", None)
+    config = tiny_config("qwen3_moe")
+    check_expert_parallel(config, tf.Mesh(dp=2))
+    with pytest.raises(ValueError, match=rf"transformers {transformers.__version__} lacks"):
         check_expert_parallel(config, tf.Mesh(dp=2, ep=2))
