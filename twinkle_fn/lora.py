@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -300,7 +301,9 @@ def resolve_moe_targets(config: LoraConfig, hf_module: torch.nn.Module) -> LoraC
 
     On an MoE model ``target_modules="all-linear"`` becomes the leaf names of every
     ``nn.Linear`` but the output embedding and the gates, and, unless `config` sets them
-    (``[]``: no experts), ``target_parameters`` both fused expert tensors
+    (``[]``: no experts) or sets a ``lora_dropout`` (which peft's expert adapters cannot take:
+    the experts are then left out, with a warning), ``target_parameters`` both fused expert
+    tensors
     (`MoeTargets.layer_paths`). Explicit ``target_parameters`` must each select expert tensors only (peft's matching: the full name
     or a ``.``-suffix of it). Dense models are returned unchanged.
 
@@ -327,7 +330,15 @@ def resolve_moe_targets(config: LoraConfig, hf_module: torch.nn.Module) -> LoraC
             if isinstance(m, torch.nn.Linear) and m is not head and name not in targets.gates
         }
         config.target_modules = _kept_by_peft(config, linears, hf_module)
-        if config.target_parameters is None:
+        if config.target_parameters is None and config.lora_dropout:
+            warnings.warn(
+                f"LoraConfig(target_modules='all-linear', lora_dropout={config.lora_dropout}) "
+                "adapts this MoE model's linears but not its routed experts: peft's expert "
+                "adapters (ParamWrapper) take no dropout; set lora_dropout=0 to adapt the "
+                "experts too",
+                stacklevel=2,
+            )
+        elif config.target_parameters is None:
             chosen = targets.layer_paths()
     if config.target_modules is not None:
         gated = [g for g in targets.gates if check_target_module_exists(config, g)]

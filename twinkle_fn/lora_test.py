@@ -69,9 +69,22 @@ def test_explicit_choices_are_kept(hf):
         ("qwen2_moe", {"target_modules": ["shared_expert_gate"]}, "keeps it frozen"),
         ("qwen3_moe", {"target_parameters": ["mlp.gate.weight"]}, "routers are never adapted"),
         ("qwen3_moe", {"target_parameters": ["no_such"]}, "selects none of the fused expert"),
-        ("qwen3_moe", {"target_modules": "all-linear", "lora_dropout": 0.1}, "lora_dropout=0"),
+        (
+            "qwen3_moe",
+            {"target_modules": ["q_proj"], "target_parameters": ["experts.down_proj"]}
+            | {"lora_dropout": 0.1},
+            "lora_dropout=0",
+        ),
     ],
 )
 def test_bad_moe_targets_are_refused_with_the_fix(hf, name, fields, match):
     with pytest.raises(ValueError, match=match):
         _resolve(hf[name], **fields)
+
+
+def test_all_linear_with_dropout_leaves_the_experts_out_and_says_so(hf):
+    """peft's expert adapters take no dropout: "all-linear" with a dropout (upstream's default
+    0.05) adapts the linears only, with a warning naming the fix."""
+    with pytest.warns(UserWarning, match="set lora_dropout=0 to adapt the experts"):
+        config = _resolve(hf["qwen3_moe"], target_modules="all-linear", lora_dropout=0.05)
+    assert config.target_parameters is None and "q_proj" in config.target_modules

@@ -3,6 +3,7 @@ compiled, and a compiled step equals the eager one."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import twinkle_fn as tf
 from twinkle_fn.backends.megatron import parallel
@@ -46,7 +47,7 @@ def _record(obj: object, method: str, calls: list[bool]) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(megatron_world):
     eager = _step({})
     traced = {"dispatch": [], "router": []}
     compiled = _step({"compile_layers": {"backend": "aot_eager"}}, traced)
@@ -84,8 +85,12 @@ def test_a_bad_setting_is_refused_before_any_layer_changes():
 def test_compiled_moe_layers_train_on_cuda_with_inductor():
     """Inductor (the option's default) where the dispatcher really copies its counts on a side
     stream: the compiled step equals the eager one within bf16 rounding."""
-    eager = _step({}, device="cuda", precision="bf16")
-    compiled = _step({"compile_layers": True}, device="cuda", precision="bf16")
+    try:
+        eager = _step({}, device="cuda", precision="bf16")
+        compiled = _step({"compile_layers": True}, device="cuda", precision="bf16")
+    finally:
+        if dist.is_initialized():  # tf.init started a one-rank group of its own
+            dist.destroy_process_group()
     # bf16 activations, fp32 master weights: kernels fused differently round differently.
     assert compiled[0] == pytest.approx(eager[0], rel=2e-2)
     assert compiled[1] == pytest.approx(eager[1], rel=5e-2)
