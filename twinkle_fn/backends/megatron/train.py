@@ -31,6 +31,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
+from twinkle_fn.backends.megatron.dispatch_state import drop_dispatch_history
 from twinkle_fn.backends.megatron.fused_loss import (
     FusedLoss,
     fused_loss_applies,
@@ -231,6 +232,7 @@ def forward_backward(
         micro_batch_size=max(mb.input_ids.shape[0] for mb in batches),
         forward_only=forward_only,
     )
+    drop_dispatch_history(chunks)
     device = batches[0].labels.device
     sizes = [mb.labels.numel() for mb in batches]
     # One buffer: [loss_sum, num_tokens, every micro-batch's logps], so one broadcast.
