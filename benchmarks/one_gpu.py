@@ -141,10 +141,19 @@ _LR, _WEIGHT_DECAY, _CLIP = 1e-5, 0.01, 1.0
 
 @dataclasses.dataclass(frozen=True)
 class OneGpuSetup(Setup):
-    """`benchmarks.throughput.Setup` and whether every row recomputes each decoder layer's
-    activations in backward (``--activation-checkpointing``)."""
+    """`benchmarks.throughput.Setup`, whether every row recomputes each decoder layer's
+    activations in backward (``--activation-checkpointing``), and the compiled twinkle rows'
+    ``memory_budget`` (``--memory-budget``; None: compile_layers' default)."""
 
     activation_checkpointing: bool = False
+    memory_budget: float | None = None
+
+
+def _compiled(setup: OneGpuSetup) -> dict[str, Any]:
+    """The ``compile_layers`` option of a compiled twinkle row."""
+    if setup.memory_budget is None:
+        return {"compile_layers": True}
+    return {"compile_layers": {"memory_budget": setup.memory_budget}}
 
 
 def qwen3_config(shape: str) -> PretrainedConfig:
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device,
         "model",
         activation_checkpointing=args.activation_checkpointing,
+        memory_budget=args.memory_budget,
     )
     if args.workload == "load":
         return _main_load(args, config, device, rows)
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": args.batch,
         "tokens_per_step": args.batch * args.seq,
         "activation_checkpointing": args.activation_checkpointing,
+        "memory_budget": args.memory_budget,
         "rows": {},
     }
     print(
@@ -336,8 +347,7 @@ def _twinkle_transformers(setup: OneGpuSetup) -> Iterator[Step]:
 
 @contextlib.contextmanager
 def _twinkle_transformers_compiled(setup: OneGpuSetup) -> Iterator[Step]:
-    options = {"compile_layers": True}
-    yield twinkle_step(setup, "transformers", _adamw("transformers"), options, lora=True)
+    yield twinkle_step(setup, "transformers", _adamw("transformers"), _compiled(setup), lora=True)
 
 
 @contextlib.contextmanager
@@ -349,8 +359,7 @@ def _twinkle_megatron(setup: OneGpuSetup) -> Iterator[Step]:
 @contextlib.contextmanager
 def _twinkle_megatron_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
-        options = {"compile_layers": True}
-        yield twinkle_step(setup, "megatron", _adamw("megatron"), options, lora=True)
+        yield twinkle_step(setup, "megatron", _adamw("megatron"), _compiled(setup), lora=True)
 
 
 # --- full fine-tuning rows ------------------------------------------------------------------
@@ -370,7 +379,7 @@ def _full_transformers_adamw_bf16(setup: OneGpuSetup) -> Iterator[Step]:
 
 @contextlib.contextmanager
 def _full_transformers_adamw_bf16_compiled(setup: OneGpuSetup) -> Iterator[Step]:
-    options = {**_NO_MASTERS, "compile_layers": True}
+    options = {**_NO_MASTERS, **_compiled(setup)}
     yield twinkle_step(setup, "transformers", _adamw_bf16(), options)
 
 
@@ -383,7 +392,7 @@ def _full_megatron_adamw_bf16(setup: OneGpuSetup) -> Iterator[Step]:
 @contextlib.contextmanager
 def _full_megatron_adamw_bf16_compiled(setup: OneGpuSetup) -> Iterator[Step]:
     with megatron_world(setup.device):
-        yield twinkle_step(setup, "megatron", _adamw_bf16(), {"compile_layers": True})
+        yield twinkle_step(setup, "megatron", _adamw_bf16(), _compiled(setup))
 
 
 @contextlib.contextmanager
@@ -547,6 +556,12 @@ def _parser() -> argparse.ArgumentParser:
         "--activation-checkpointing",
         action="store_true",
         help="every row recomputes each decoder layer in backward",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="the compiled twinkle rows' compile_layers memory_budget (in [0, 1])",
     )
     p.add_argument("--checkpoint", default=None, help="load: default /tmp/twinkle_<shape>_bf16")
     p.add_argument("--json", default="one_gpu.json")
