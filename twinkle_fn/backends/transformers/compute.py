@@ -96,8 +96,9 @@ def model_inputs(
     boundaries, which the varlen kernel does not read). Other packed batches get a
     block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not
     isolate packed samples from ``position_ids`` alone, and a decoder with linear-attention
-    layers the boundaries as well (`linear_attention.keep_samples_apart` reads them). Raises ``ValueError`` for a packed
-    batch of a family that cannot keep packed samples apart (`Family.packed_rows`).
+    layers the boundaries as well (`linear_attention.keep_samples_apart` reads them). Raises
+    ``ValueError`` for a packed batch of a family that cannot keep packed samples apart
+    (`Family.packed_rows`).
     """
     if "cu_seqlens" in batch and config is not None:
         _check_packable(config)
