@@ -107,7 +107,7 @@ def test_a_packed_batch_of_two_rows_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs CUDA")
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_5_text"])
 def test_a_packed_row_runs_the_varlen_kernel_on_cuda(family, monkeypatch):
     """bf16 on CUDA: the varlen kernel runs (no SDPA fallback) and the packed row's logits
     match each sample run alone."""

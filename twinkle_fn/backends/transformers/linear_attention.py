@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,37 +84,50 @@ class PackedRows(torch.nn.Module):
         rows are for training), or when ``cu_seq_lens_q`` does not end at ``T``.
         """
         base = super().forward
-        cu = kwargs.get("cu_seq_lens_q")
-        if cu is None:
+        if kwargs.get("cu_seq_lens_q") is None:
             return base(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        rows, total = hidden_states.shape[:2]
-        if rows != 1:
-            raise ValueError(f"a packed batch is one row of samples, got {rows} rows")
-        if cache is not None:
-            raise ValueError(
-                "a packed row (cu_seq_lens_q) runs without a cache; pass use_cache=False"
-            )
-        if hidden_states.is_cuda and varlen_kernels():
-            seq_idx = _sample_index(cu, total)  # [1, T]
-            return base(hidden_states, attention_mask=attention_mask, seq_idx=seq_idx, **kwargs)
-        # One host read of the boundaries per layer: the torch path loops over samples anyway.
-        bounds = cu.tolist()
-        if bounds[-1] != total:
-            raise ValueError(
-                f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {total} tokens; "
-                "the boundaries must cover the row"
-            )
-        rest = {k: v for k, v in kwargs.items() if k not in _PACKED_KWARGS}
-        outs = [
-            base(
-                hidden_states[:, start:end],
-                attention_mask=None if attention_mask is None else attention_mask[:, start:end],
-                **rest,
-            )
-            for start, end in itertools.pairwise(bounds)
-            if end > start
-        ]
-        return torch.cat(outs, dim=1)
+        return _packed_forward(base, hidden_states, cache, attention_mask, kwargs)
+
+
+# Outside a compiled layer's graph: it reads the boundaries on the host and slices the row into
+# samples of changing lengths (a recompilation for each).
+@torch.compiler.disable
+def _packed_forward(
+    base: Callable[..., torch.Tensor],
+    hidden_states: torch.Tensor,
+    cache: Any,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """`PackedRows.forward` of a packed row: `base` (transformers' forward) once with the
+    varlen kernels, else on each sample's slice."""
+    cu = kwargs["cu_seq_lens_q"]
+    rows, total = hidden_states.shape[:2]
+    if rows != 1:
+        raise ValueError(f"a packed batch is one row of samples, got {rows} rows")
+    if cache is not None:
+        raise ValueError("a packed row (cu_seq_lens_q) runs without a cache; pass use_cache=False")
+    if hidden_states.is_cuda and varlen_kernels():
+        seq_idx = _sample_index(cu, total)  # [1, T]
+        return base(hidden_states, attention_mask=attention_mask, seq_idx=seq_idx, **kwargs)
+    # One host read of the boundaries per layer: the torch path loops over samples anyway.
+    bounds = cu.tolist()
+    if bounds[-1] != total:
+        raise ValueError(
+            f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {total} tokens; "
+            "the boundaries must cover the row"
+        )
+    rest = {k: v for k, v in kwargs.items() if k not in _PACKED_KWARGS}
+    outs = [
+        base(
+            hidden_states[:, start:end],
+            attention_mask=None if attention_mask is None else attention_mask[:, start:end],
+            **rest,
+        )
+        for start, end in itertools.pairwise(bounds)
+        if end > start
+    ]
+    return torch.cat(outs, dim=1)
 
 
 @functools.cache
