@@ -234,7 +234,8 @@ class SharedRotaryKey(ParallelStyle):
     (the latent that ``kv_b_proj`` expands per head) need nothing: a colwise linear's input
     gradient is summed over tp already. The rotary key leaves the projection through a
     Replicate -> Partial-gradient boundary (identity forward, all-reduce backward), as a
-    colwise linear's input does; the forward is unchanged.
+    colwise linear's input does; the forward is unchanged. The projection's output is
+    ``[B, T, kv_lora_rank + width]``.
     """
 
     def __init__(self, width: int) -> None:
