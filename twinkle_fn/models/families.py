@@ -56,10 +56,12 @@ What the later rows taught (GLM-4 MoE, DeepSeek-V3, Qwen3.5):
   ``kv_a_layernorm`` and ``kv_b_proj``, megatron's ``MLATransformerConfig`` and an
   ``MLASelfAttention`` layer spec, and LoRA on those linears: not built yet, so the row sets
   `megatron` to that reason. Its rotary key is shared by every head, so a head-split tp plan
-  leaves its gradient partial: the row sets `tensor_parallel`.
+  leaves its gradient partial: the transformers backend sums it over tp
+  (``fsdp.SharedRotaryKey``).
 - A hybrid family (Qwen3.5's Gated DeltaNet) needs megatron-core's ``HybridModel`` (see
-  ``twinkle_fn/backends/megatron/model.py``) and, for packed rows, a recurrence that restarts at
-  ``cu_seqlens``: the row sets `megatron` and `packed_rows` to the reasons.
+  ``twinkle_fn/backends/megatron/model.py``) and, for packed rows, a convolution and a
+  recurrence that restart at ``cu_seqlens`` (the transformers backend's
+  ``linear_attention.py``): the row sets `megatron` to the reason.
 
 To try a row without editing this module, `registered(row)` makes it known inside a ``with``
 block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
@@ -517,11 +519,6 @@ _ROWS = (
         # rope_interleave (default True): neighbouring channels of the rotary part are pairs
         rope="interleaved",
         sequence_parallel=False,
-        tensor_parallel=(
-            "multi-latent attention's rotary key (kv_a_proj_with_mqa's last qk_rope_head_dim "
-            "outputs) is shared by every head, so under the head-split plan each tp rank's "
-            "gradient of it holds its own heads' part only and DTensor does not sum them"
-        ),
         megatron=(
             "multi-latent attention is not built by twinkle's megatron layer spec yet "
             "(megatron-core's MLASelfAttention needs its own bridge rules for q_a_proj, "
@@ -558,11 +555,6 @@ _ROWS = (
             "twinkle's megatron backend does not build yet (it builds GPTModel), and its gated "
             "attention (q_proj's output gate) and (1 + weight) RMSNorms are not in megatron's "
             "GPTModel layer spec"
-        ),
-        packed_rows=(
-            "the Gated DeltaNet layers' recurrence and causal convolution (transformers' torch "
-            "code, and fla's kernels as transformers calls them) do not restart at the packed "
-            "samples' boundaries, so samples would read each other"
         ),
     ),
     Family(

@@ -16,6 +16,7 @@ from twinkle_fn.backends.transformers import (
     compute,
     export,
     fsdp,
+    linear_attention,
     logps,
     lora,
     sharding,
@@ -53,9 +54,11 @@ class TransformersBackend:
 
     def adopt(self, module: torch.nn.Module) -> None:
         """Turn the lm_head into a `FusedLMHead` (the loss is fused into it); a value model
-        (no output embeddings, a ``score`` head) is left as it is."""
+        (no output embeddings, a ``score`` head) is left as it is. Linear-attention layers keep
+        packed samples apart (`linear_attention.keep_samples_apart`)."""
         if module.get_output_embeddings() is not None:
             fuse_lm_head(module)
+        linear_attention.keep_samples_apart(module)
 
     def prepare(self, model: Model, mesh: Mesh) -> Model:
         """Shard the module over `mesh` (tp plan, then FSDP2) unless it already is.

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from twinkle_fn.backends.transformers import attention, ulysses
+from twinkle_fn.backends.transformers import attention, linear_attention, ulysses
 from twinkle_fn.backends.transformers.lm_head import loss_mode, terms_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
@@ -95,8 +95,10 @@ def model_inputs(
     mask transformers need not build (the mapping above, or one made on the device from the
     boundaries, which the varlen kernel does not read). Other packed batches get a
     block-diagonal causal ``[1, 1, T, T]`` mask, since transformers' SDPA path does not
-    isolate packed samples from ``position_ids`` alone. Raises ``ValueError`` for a packed
-    batch of a family that cannot keep packed samples apart (`Family.packed_rows`).
+    isolate packed samples from ``position_ids`` alone, and a decoder with linear-attention
+    layers the boundaries as well (`linear_attention.keep_samples_apart` reads them). Raises
+    ``ValueError`` for a packed batch of a family that cannot keep packed samples apart
+    (`Family.packed_rows`).
     """
     if "cu_seqlens" in batch and config is not None:
         _check_packable(config)
@@ -120,6 +122,9 @@ def model_inputs(
     elif "cu_seqlens" in batch:
         mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
         kwargs["attention_mask"] = mask.to(device, non_blocking=True)
+        if linear_attention.has_linear_attention(config):
+            # the mask keeps the attention layers' samples apart, not the linear-attention ones
+            kwargs.update(attention.packed_kwargs(batch["cu_seqlens"], _max_seqlen(batch), device))
     elif "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs

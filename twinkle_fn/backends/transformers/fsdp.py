@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from transformers import PretrainedConfig
 
 from twinkle_fn.backends import compile_layers as layer_compiler
 from twinkle_fn.backends.transformers import expert_parallel, ulysses
@@ -121,6 +122,7 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
                 styles.update(_sp_styles(SEQUENCE_PARALLEL_LAYER))
             if family(module.config).has_qk_norm(module.config):
                 styles.update(_head_norm_styles(layer))
+            styles.update(_shared_key_styles(layer, module.config))
             parallelize_module(layer, dm["tp"], styles)
     compile_layers(model)
     expert_dm, experts = None, []
@@ -209,6 +211,50 @@ def _head_norm_styles(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
 
 # The per-head norms of a decoder layer's attention (`Family.qk_norm`).
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+# Multi-latent attention's down projection of keys and values (a `Family.tp_whole` linear):
+# its last ``qk_rope_head_dim`` outputs are the rotary key that every head reads.
+LATENT_KV = "self_attn.kv_a_proj_with_mqa"
+
+
+def _shared_key_styles(
+    layer: torch.nn.Module, config: PretrainedConfig
+) -> dict[str, ParallelStyle]:
+    """`SharedRotaryKey` on `layer`'s `LATENT_KV` projection, when it has one."""
+    if LATENT_KV not in {n for n, _ in layer.named_modules()}:
+        return {}
+    return {LATENT_KV: SharedRotaryKey(config.qk_rope_head_dim)}
+
+
+class SharedRotaryKey(ParallelStyle):
+    """Sum over tp the gradient of the last `width` output features of a replicated linear
+    whose output every head reads (multi-latent attention's rotary key).
+
+    The projection stays whole on every tp rank, but the heads reading its output are split:
+    each rank's gradient of the rotary key holds its own heads' part only. Its other outputs
+    (the latent that ``kv_b_proj`` expands per head) need nothing: a colwise linear's input
+    gradient is summed over tp already. The rotary key leaves the projection through a
+    Replicate -> Partial-gradient boundary (identity forward, all-reduce backward), as a
+    colwise linear's input does; the forward is unchanged. The projection's output is
+    ``[B, T, kv_lora_rank + width]``.
+    """
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        def hook(_module: torch.nn.Module, _args: object, out: torch.Tensor) -> torch.Tensor:
+            latent, key = out.split([out.shape[-1] - self.width, self.width], dim=-1)
+            return torch.cat([latent, _summed_in_backward(key, device_mesh)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _summed_in_backward(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`t` itself in the forward; in the backward its gradient summed over `mesh` (1-D)."""
+    whole = DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+    return whole.to_local(grad_placements=(Partial(),))
 
 
 def _sp_styles(plan: dict[str, str]) -> dict[str, ParallelStyle]:

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 import twinkle_fn as tf
-from twinkle_fn.backends.transformers.fsdp import _check_sequence_parallel
+from twinkle_fn.backends.transformers.fsdp import (
+    LATENT_KV,
+    SharedRotaryKey,
+    _check_sequence_parallel,
+    _shared_key_styles,
+)
 from twinkle_fn.backends.transformers.plans import local_specs, param_specs
 from twinkle_fn.data import pack, split_features
 from twinkle_fn.distributed import rank
@@ -223,6 +228,19 @@ def test_sequence_parallel_is_refused_where_the_family_row_says_so():
     row = dataclasses.replace(family("qwen2"), name="qwen2_no_sp", sequence_parallel=False)
     with registered(row), pytest.raises(ValueError, match="a qwen2_no_sp model needs"):
         _check_sequence_parallel(tf.models.from_hf_config(config, seed=0))
+
+
+def test_the_rotary_key_gradient_is_summed_where_a_layer_has_a_latent_kv_projection():
+    """Multi-latent attention's layers get `SharedRotaryKey` over the rotary key's width
+    (parity on tp2: tests/test_family_conformance.py); other layers nothing."""
+    config = tiny_config("deepseek_v3")
+    layers = tf.models.from_hf_config(config, seed=0).module.model.layers
+    for layer in layers:
+        styles = _shared_key_styles(layer, config)
+        assert styles.keys() == {LATENT_KV} and isinstance(styles[LATENT_KV], SharedRotaryKey)
+        assert styles[LATENT_KV].width == config.qk_rope_head_dim == 4
+    qwen = tf.models.from_hf_config(tiny_config("qwen2"), seed=0).module.model.layers[0]
+    assert _shared_key_styles(qwen, tiny_config("qwen2")) == {}
 
 
 PG = tf.losses.policy_gradient(entropy_coef=0.1)

@@ -1,9 +1,11 @@
+import dataclasses
+
 import pytest
 import torch
 
 from twinkle_fn.backends.transformers.plans import local_specs, param_specs, tp_plan
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import FAMILIES, family
+from twinkle_fn.models.families import FAMILIES, family, registered
 from twinkle_fn.sharding import ShardSpec
 from twinkle_fn.testing import tiny_config
 
@@ -20,6 +22,15 @@ def test_every_family_has_a_plan_with_attention_split():
                 tp_plan(tiny_config(name), 2)
             continue
         assert tp_plan(tiny_config(name), 2) == plan
+
+
+def test_a_family_the_backend_does_not_split_is_refused_with_its_reason():
+    row = dataclasses.replace(family("qwen2"), tensor_parallel="its heads share a tensor")
+    with registered(row), pytest.raises(ValueError, match="its heads share a tensor") as err:
+        tp_plan(tiny_config("qwen2"), 2)
+    assert "tp=2 is not supported for model family 'qwen2'" in str(err.value)
+    with registered(row):
+        assert tp_plan(tiny_config("qwen2"), 1) == row.tp_plan
 
 
 def test_specs_follow_the_plan_then_fsdp():

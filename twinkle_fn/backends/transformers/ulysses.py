@@ -37,6 +37,7 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
 from twinkle_fn.backends.transformers import attention
+from twinkle_fn.backends.transformers.linear_attention import has_linear_attention
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.varlen_attention import block_causal_mask
 
@@ -49,8 +50,15 @@ _GROUP_ATTR = "ulysses_group"
 def check_ulysses(config: PretrainedConfig, ulysses: int, tp: int, sequence_parallel: bool) -> None:
     """Refuse a model Ulysses cannot split: ``ValueError`` when `ulysses` does not divide the
     attention heads or key/value heads each tp rank holds, with Megatron-style
-    ``sequence_parallel`` (both would split the sequence), or for an attention implementation
-    other than SDPA."""
+    ``sequence_parallel`` (both would split the sequence), for linear-attention layers (their
+    recurrence needs the whole sequence, and only attention gathers it), or for an attention
+    implementation other than SDPA."""
+    if has_linear_attention(config):
+        raise ValueError(
+            f"mesh ulysses={ulysses} splits the sequence, but this model's linear-attention "
+            "layers (config.layer_types) run a recurrence over the whole sequence, which "
+            "Ulysses gathers for attention only; use ulysses=1 (tp, fsdp or dp for more ranks)"
+        )
     if sequence_parallel:
         raise ValueError(
             f"mesh ulysses={ulysses} with sequence_parallel=True: both split the sequence; "

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import twinkle_fn as tf
-from twinkle_fn.backends.transformers.ulysses import KEY_MASK, local_batch
+from twinkle_fn.backends.transformers.ulysses import KEY_MASK, check_ulysses, local_batch
 from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
@@ -119,3 +119,12 @@ def test_heads_the_group_does_not_divide_are_refused_before_any_compute():
     )
     with pytest.raises(ValueError, match="ulysses=2 does not divide the 1 key/value heads"):
         tf.init(model, tf.optim.adamw(1e-2), tf.Mesh(ulysses=2))
+
+
+def test_linear_attention_layers_are_refused():
+    """A Gated DeltaNet layer would run its recurrence on each rank's slice of the sequence."""
+    with pytest.raises(ValueError, match="ulysses=2 splits the sequence, but this model's linear"):
+        check_ulysses(tiny_config("qwen3_5_text"), 2, 1, False)
+    full_attention = tiny_config("qwen3")
+    full_attention._attn_implementation = "sdpa"
+    check_ulysses(full_attention, 2, 1, False)
