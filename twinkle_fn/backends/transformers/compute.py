@@ -121,13 +121,25 @@ def model_inputs(
         )
     elif "cu_seqlens" in batch:
         mask = packed_attention_mask(batch["cu_seqlens"], ids.shape[-1])
-        kwargs["attention_mask"] = mask.to(device, non_blocking=True)
+        kwargs["attention_mask"] = _as_attention_takes(mask, config).to(device, non_blocking=True)
         if linear_attention.has_linear_attention(config):
             # the mask keeps the attention layers' samples apart, not the linear-attention ones
             kwargs.update(attention.packed_kwargs(batch["cu_seqlens"], _max_seqlen(batch), device))
     elif "attention_mask" in batch:
         kwargs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return kwargs
+
+
+def _as_attention_takes(mask: torch.Tensor, config: PretrainedConfig | None) -> torch.Tensor:
+    """`mask` (bool, True where a query may attend a key) as `config`'s attention reads a
+    ready-made 4-D mask: transformers' eager attention adds it to the scores, so it needs 0
+    and a large negative value, not True and False (which it would add as 1 and 0, masking
+    nothing); SDPA and the others take the booleans."""
+    if config is None or getattr(config, "_attn_implementation", None) != "eager":
+        return mask
+    # float32: the scores it is added to are float32 or promote to it (bf16 + float32).
+    blocked = torch.finfo(torch.float32).min
+    return torch.zeros(mask.shape).masked_fill_(~mask, blocked)
 
 
 def _check_packable(config: PretrainedConfig) -> None:

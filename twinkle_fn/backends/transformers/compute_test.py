@@ -62,6 +62,26 @@ def test_leaving_them_out_changes_no_logit(family):
     assert torch.equal(without, masked)
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_packed_row_gives_each_sample_its_own_logits(attention):
+    """float64: the packed row's logits equal each sample's alone, to 1e-6 (transformers' RMSNorm
+    normalises in float32 even in a float64 model, so a row's other matmul blocking can flip a
+    float32 rounding: 1.7e-8 observed); on eager attention the block mask must be additive (a
+    boolean one masked nothing: 0.2 off)."""
+    config = tiny_config("qwen2", vocab_size=64)
+    config._attn_implementation = attention
+    module = tf.models.from_hf_config(config, seed=0).module.double().eval()
+    feats = random_features(3, vocab_size=64, min_len=3, max_len=9, seed=4)
+    row = pack(feats)
+    with torch.no_grad():
+        packed = module(**model_inputs(row, CPU, config), use_cache=False).logits[0]
+        alone = [
+            module(input_ids=torch.tensor([f["input_ids"]]), use_cache=False).logits[0]
+            for f in feats
+        ]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", [f for f in FAMILIES if families.family(f).mask_mapping])
 def test_a_mask_mapping_family_builds_no_mask(name, monkeypatch):
     """The decoders of families with `Family.mask_mapping` take the mapping as their masks:
