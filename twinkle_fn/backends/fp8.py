@@ -23,6 +23,10 @@ scales are powers of two, so scaling is exact and the only rounding is the float
 - ``"tensorwise"``: one scale per tensor; e4m3 for activations and weights, e5m2 for output
   gradients (whose range across tokens one scale must cover). Cheaper quantisation, coarser
   numerics; offered for comparison (``benchmarks/one_gpu.py --workload fp8`` runs both).
+  With power-of-two scales, float8's relative rounding does not depend on the scale, so the
+  two recipes quantise an e4m3 operand alike except for values more than ~2^15 below their
+  scale group's maximum (e4m3's subnormals): per-row scales matter for wide-ranged tensors
+  (gradients), and the gradients' format (e4m3 or e5m2) matters throughout.
 
 Requirements (`check_device`, `check_linear`): a CUDA device of compute capability >= 8.9
 (Ada, Hopper and later; torch's CPU build also runs ``_scaled_mm``, as a reference kernel,
