@@ -10,6 +10,7 @@ in the normal range, absolute error <= half the smallest subnormal step (e4m3: 2
 import pytest
 import torch
 
+import twinkle_fn as tf
 from twinkle_fn.backends.fp8 import (
     E4M3,
     E5M2,
@@ -21,6 +22,10 @@ from twinkle_fn.backends.fp8 import (
     quantise,
     quantise_reference,
 )
+from twinkle_fn.data import pack
+from twinkle_fn.distributed import rank
+from twinkle_fn.testing import random_features, tiny_config
+from twinkle_fn.testing_dist import spawn
 
 # (unit roundoff, half the smallest subnormal step) of each format, in scaled units
 _ROUNDING = {E4M3: (2.0**-4, 2.0**-10), E5M2: (2.0**-3, 2.0**-17)}
@@ -189,3 +194,69 @@ def test_cuda_kernel_equals_the_cpu_kernel(recipe):
         out[device] = [t.float().cpu() for t in (y, xd.grad, wd.grad)]
     for name, a, b in zip(("y", "dx", "dw"), out["cpu"], out["cuda"], strict=True):
         torch.testing.assert_close(b, a, rtol=2.0**-7, atol=1e-3, msg=name)
+
+
+# --- on two ranks: FSDP2 and tp on the transformers backend, tp (with and without sequence
+# parallelism) on megatron's column- and row-parallel linears ----------------------------------
+
+STEPS = 3
+DIST_MESHES = {
+    "transformers fsdp2": ("transformers", {"fsdp": 2}),
+    "transformers tp2": ("transformers", {"tp": 2}),
+    "megatron tp2": ("megatron", {"tp": 2}),
+    "megatron tp2+sp": ("megatron", {"tp": 2, "sequence_parallel": True}),
+}
+
+
+def _train(backend, sizes, fp8):
+    """Losses of `STEPS` AdamW steps (lr 1e-2) of a tiny Qwen2 in float32 on one batch, each
+    data rank its slice, and how many linears multiply in float8 on this rank."""
+    from twinkle_fn.backends.megatron import parallel
+    from twinkle_fn.backends.megatron.backend import megatron_optimizer
+
+    mesh = tf.Mesh(**sizes)
+    # 4 key/value heads: k/v stay multiples of 16 features on each of 2 tp ranks
+    config = tiny_config("qwen2", num_key_value_heads=4)
+    model = tf.models.from_hf_config(config, seed=0, backend=backend, options={"fp8": fp8})
+    tx = megatron_optimizer(1e-2) if backend == "megatron" else tf.optim.adamw(1e-2)
+    state = tf.init(model, tx, mesh)
+    if backend == "megatron":
+        gpt = state.model.placement.module
+        converted = sum("_forward_impl" in m.__dict__ for m in gpt.modules())
+    else:
+        converted = sum(type(m).__name__.endswith("FP8Linear") for m in model.module.modules())
+    feats = random_features(8, seed=0)
+    mine = pack(feats[mesh.get_slice(len(feats), rank())] if mesh.data_world_size > 1 else feats)
+    losses = []
+    for _ in range(STEPS):
+        grads, _ = tf.fwd_bwd(state, mine)
+        state, info = tf.step(state, grads)
+        losses.append(float(info["loss"]))
+    if backend == "megatron":
+        parallel.destroy()
+    return losses, converted
+
+
+def _two_ranks():
+    return {
+        name: _train(backend, sizes, "rowwise") for name, (backend, sizes) in DIST_MESHES.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _train("transformers", {}, None)[0], spawn(_two_ranks, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("name", list(DIST_MESHES))
+def test_fp8_trains_on_fsdp2_and_tp_within_float8_rounding_of_one_float32_process(name, two_ranks):
+    """Each mesh's fp8 run against the one-process float32 run, with the single-process fp8
+    tests' bound (1% relative per step; their runs measured <= 0.42%): a reduction that were
+    missing or doubled (a partial sum left unreduced, a bias added on every tp rank) moves the
+    loss by far more. Every rank converts its 8 decoder linears."""
+    reference, ranks = two_ranks
+    for losses, converted in (r[name] for r in ranks):
+        assert converted == (14 if name.startswith("transformers") else 8)
+        for a, b in zip(reference, losses, strict=True):
+            assert abs(a - b) <= 1e-2 * abs(a)
+        assert max(abs(a - b) for a, b in zip(reference, losses, strict=True)) > 1e-6
