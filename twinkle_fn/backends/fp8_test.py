@@ -182,8 +182,10 @@ def test_a_gpu_below_compute_capability_8_9_is_refused(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU)")
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_cuda_kernel_equals_the_cpu_kernel(recipe):
-    """The GPU's scaled GEMM on the same bf16 operands as the CPU's: equal up to bf16 output
-    rounding and accumulation order (fast accumulation in forward: rtol 2^-7)."""
+    """The GPU's scaled GEMM on the same bf16 operands as the CPU's: the float8 products are
+    exact in float32 on both, so they differ by accumulation order (and Hopper's fast forward
+    accumulation, which keeps fewer bits) and bf16 output rounding: rtol 2^-7, and atol 2^-8 of
+    the tensor's largest value for entries that cancel toward zero."""
     check_device(torch.device("cuda"))
     x, w, dy = (t.bfloat16() for t in _data(m=200, k=256, n=512))
     out = {}
@@ -193,7 +195,8 @@ def test_cuda_kernel_equals_the_cpu_kernel(recipe):
         y.backward(dy.to(device))
         out[device] = [t.float().cpu() for t in (y, xd.grad, wd.grad)]
     for name, a, b in zip(("y", "dx", "dw"), out["cpu"], out["cuda"], strict=True):
-        torch.testing.assert_close(b, a, rtol=2.0**-7, atol=1e-3, msg=name)
+        atol = 2.0**-8 * a.abs().max().item()
+        torch.testing.assert_close(b, a, rtol=2.0**-7, atol=atol, msg=name)
 
 
 # --- on two ranks: FSDP2 and tp on the transformers backend, tp (with and without sequence
