@@ -41,6 +41,21 @@ cache): the wall time to load it onto the device, and to ``tf.init`` a LoRA stat
 Each row reports seconds (load, init, total), GB/s (checkpoint bytes over the total) and the
 peak memory.
 
+``--workload fp8`` (full fine-tuning, AdamW with float32 masters and clipping; the shapes of
+`benchmarks.throughput` too: ``--shape qwen2.5-0.5b`` / ``qwen2.5-1.5b``): each backend bf16
+against the model option ``fp8`` (`twinkle_fn.backends.fp8`), eager and with
+``compile_layers``: ``twinkle_<backend>_bf16[_compiled]``, ``twinkle_<backend>_fp8[_compiled]``
+(rowwise) and ``twinkle_<backend>_fp8_tensorwise_compiled``. Each row also reports MFU against
+the bf16 peak (`benchmarks.throughput.MFU_FORMULA`: the bf16 FLOPs the step does, so an fp8
+row's MFU is its speed-up over bf16 in the same units, not a utilisation of the fp8 peak).
+
+``--workload fp8_parity``: the same rows trained ``--parity-steps`` steps (default 200) on the
+built-in arithmetic chat data (character tokens, ``--parity-samples`` samples packed into one
+row a step, lr 1e-4 after 10 warm-up steps), every row on the same batches. Each row reports its
+loss curve and final loss (the mean of the last 10 steps) and each fp8 row the difference from
+its backend's bf16 row of the same compilation (``loss_diff_vs_bf16``: final; ``max_loss_diff``:
+the largest difference of 10-step means along the curve).
+
 Each training row warms up, then takes the median of timed steps (`benchmarks.throughput.time_steps`).
 Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak allocated bytes over
 the steps (what construction left allocated counts; a transient of construction, such as the
@@ -54,6 +69,11 @@ and the run goes on; the JSON is rewritten after every row.
         --json full.json
     python -m benchmarks.one_gpu --workload load --shape qwen3-4b --checkpoint /tmp/qwen3-4b \\
         --json load.json
+    python -m benchmarks.one_gpu --workload fp8 --shape qwen2.5-1.5b --seq 2048 --batch 8 \\
+        --json fp8.json
+    python -m benchmarks.one_gpu --workload fp8_parity --shape qwen2.5-0.5b \\
+        --rows twinkle_transformers_bf16_compiled twinkle_transformers_fp8_compiled \\
+        --json fp8_parity.json
 """
 
 from __future__ import annotations
@@ -73,11 +93,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import twinkle_fn as tf
+from benchmarks import throughput
 from benchmarks.throughput import (
     Setup,
     Step,
+    default_peak,
+    flops_per_token,
     host_batch,
     megatron_world,
+    mfu,
     padded_batch,
     release,
     time_steps,
@@ -115,6 +139,11 @@ SHAPES = MappingProxyType(
     }
 )
 LORA = MappingProxyType({"r": 16, "lora_alpha": 32, "target_modules": "all-linear"})
+FP8_ROWS = tuple(
+    f"twinkle_{backend}_{kind}"
+    for backend in ("transformers", "megatron")
+    for kind in ("bf16", "fp8", "bf16_compiled", "fp8_compiled", "fp8_tensorwise_compiled")
+)
 WORKLOADS = MappingProxyType(
     {
         "lora": (
@@ -134,19 +163,24 @@ WORKLOADS = MappingProxyType(
             "twinkle_megatron_distopt",
         ),
         "load": ("hf_from_pretrained", "twinkle_transformers", "twinkle_megatron"),
+        "fp8": FP8_ROWS,
+        "fp8_parity": FP8_ROWS,
     }
 )
+PARITY_WARMUP, PARITY_LR, PARITY_MEAN = 10, 1e-4, 10
 _LR, _WEIGHT_DECAY, _CLIP = 1e-5, 0.01, 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class OneGpuSetup(Setup):
     """`benchmarks.throughput.Setup`, whether every row recomputes each decoder layer's
-    activations in backward (``--activation-checkpointing``), and the compiled twinkle rows'
-    ``memory_budget`` (``--memory-budget``; None: compile_layers' default)."""
+    activations in backward (``--activation-checkpointing``), the compiled twinkle rows'
+    ``memory_budget`` (``--memory-budget``; None: compile_layers' default), and the host batches
+    a row steps through in order (``fp8_parity``; empty: ``input_ids`` every step)."""
 
     activation_checkpointing: bool = False
     memory_budget: float | None = None
+    batches: tuple[dict[str, Any], ...] = ()
 
 
 def _compiled(setup: OneGpuSetup) -> dict[str, Any]:
@@ -163,6 +197,12 @@ def qwen3_config(shape: str) -> PretrainedConfig:
     return AutoConfig.for_model(**{**_QWEN3, **SHAPES[shape]})
 
 
+def shape_config(shape: str) -> PretrainedConfig:
+    """`qwen3_config` of a key of `SHAPES`, else `benchmarks.throughput.qwen25_config` (the
+    Qwen2.5 shapes the dense rows measure). Raises ``ValueError`` for a shape of neither."""
+    return qwen3_config(shape) if shape in SHAPES else throughput.qwen25_config(shape)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the selected rows of one workload and return (and print, and write) the results."""
     args = _parser().parse_args(argv)
@@ -174,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{', '.join(WORKLOADS[args.workload])}"
         )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = qwen3_config(args.shape)
+    config = shape_config(args.shape)
     ids = torch.randint(
         0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
     )
@@ -188,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if args.workload == "load":
         return _main_load(args, config, device, rows)
+    if args.workload == "fp8_parity":
+        return _main_parity(args, setup, rows)
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -204,9 +246,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"{args.workload} {args.shape} seq {args.seq} batch {args.batch} on {result['device_name']}"
     )
+    peak = default_peak(device)
     for name in rows:
         row = run_row(name, setup, args.warmup, args.steps)
+        if row["status"] == "ok":  # bf16 FLOPs over the bf16 peak, fp8 rows included
+            row["mfu"] = mfu(row["tokens_per_s"], flops_per_token(config, args.seq), peak)
         result["rows"][name] = row
+        add_speedups(result["rows"])
         print(f"{name}: {json.dumps(row)}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
@@ -214,12 +260,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str, Any]:
-    """One row's measurement, or why it was skipped or failed; its memory is released after."""
-    if "_compiled" in name and setup.device.type != "cuda":
+def _skipped(name: str, device: torch.device) -> dict[str, Any] | None:
+    """Why row `name` does not run on `device`, or None when it does."""
+    if "_compiled" in name and device.type != "cuda":
         return {"status": "skipped", "reason": "GPU only (compiling on a CPU takes minutes)"}
     if "megatron" in name and "megatron" not in backends.names():
         return {"status": "skipped", "reason": "no megatron backend"}
+    return None
+
+
+def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str, Any]:
+    """One row's measurement, or why it was skipped or failed; its memory is released after."""
+    skipped = _skipped(name, setup.device)
+    if skipped is not None:
+        return skipped
     release(setup.device)
     try:
         with _ROWS[name](setup) as step:
@@ -303,9 +357,13 @@ def twinkle_step(
     if lora:
         model = tf.lora.add_lora(model, dict(LORA))
     holder = [tf.init(model, tx)]
-    batch = host_batch(padded_batch(setup.input_ids.cpu()), setup.device)
+    batches = setup.batches or (padded_batch(setup.input_ids.cpu()),)
+    batches = [host_batch(b, setup.device) for b in batches]
+    count = [0]
 
     def step() -> torch.Tensor:
+        batch = batches[count[0] % len(batches)]
+        count[0] += 1
         grads, _ = tf.fwd_bwd(holder[0], batch)
         holder[0], info = tf.step(holder[0], grads)
         return info["loss"]
@@ -313,14 +371,15 @@ def twinkle_step(
     return step
 
 
-def _adamw(backend: str) -> tf.optim.GradientTransformation:
-    """AdamW with clipping: the optax-style chain, or megatron-core's distributed optimizer."""
+def _adamw(backend: str, lr: Any = _LR) -> tf.optim.GradientTransformation:
+    """AdamW with clipping at learning rate `lr` (a float or a schedule): the optax-style chain,
+    or megatron-core's distributed optimizer."""
     if backend == "megatron":
         from twinkle_fn.optim import megatron_optimizer
 
-        return megatron_optimizer(_LR, weight_decay=_WEIGHT_DECAY, clip_grad=_CLIP)
+        return megatron_optimizer(lr, weight_decay=_WEIGHT_DECAY, clip_grad=_CLIP)
     return tf.optim.chain(
-        tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw(_LR, weight_decay=_WEIGHT_DECAY)
+        tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw(lr, weight_decay=_WEIGHT_DECAY)
     )
 
 
@@ -401,6 +460,33 @@ def _full_megatron(setup: OneGpuSetup) -> Iterator[Step]:
         yield twinkle_step(setup, "megatron", _adamw("megatron"))
 
 
+# --- fp8 rows -------------------------------------------------------------------------------
+
+
+def _fp8_row(backend: str, kind: str) -> Any:
+    """The builder of row ``twinkle_<backend>_<kind>``: AdamW full fine-tuning in bf16, with
+    the option ``fp8`` (rowwise, or tensorwise) when `kind` names it, compiled when it says so.
+    ``fp8_parity`` rows train at ``PARITY_LR`` after ``PARITY_WARMUP`` steps."""
+    options: dict[str, Any] = {}
+    if kind.startswith("fp8"):
+        options["fp8"] = "tensorwise" if "tensorwise" in kind else "rowwise"
+    if kind.endswith("_compiled"):
+        options["compile_layers"] = True
+
+    @contextlib.contextmanager
+    def build(setup: OneGpuSetup) -> Iterator[Step]:
+        tx = _adamw(backend)
+        if setup.batches:
+            steps = len(setup.batches)
+            warmup = min(PARITY_WARMUP, steps - 1)
+            lr = tf.schedules.warmup_linear(PARITY_LR, warmup, steps, min_lr=PARITY_LR)
+            tx = _adamw(backend, lr)
+        with megatron_world(setup.device) if backend == "megatron" else contextlib.nullcontext():
+            yield twinkle_step(setup, backend, tx, dict(options))
+
+    return build
+
+
 _ROWS = MappingProxyType(
     {
         "peft_eager": _peft_eager,
@@ -415,6 +501,7 @@ _ROWS = MappingProxyType(
         "twinkle_megatron_adamw_bf16": _full_megatron_adamw_bf16,
         "twinkle_megatron_adamw_bf16_compiled": _full_megatron_adamw_bf16_compiled,
         "twinkle_megatron_distopt": _full_megatron,
+        **{name: _fp8_row(*name.split("_", 2)[1:]) for name in FP8_ROWS},
     }
 )
 
@@ -503,6 +590,107 @@ def _main_load(
     return result
 
 
+# --- fp8 loss parity ------------------------------------------------------------------------
+
+
+def parity_batches(steps: int, samples: int, seed: int = 0) -> tuple[dict[str, Any], ...]:
+    """`steps` packed rows of `samples` built-in arithmetic chat samples each (character
+    tokens: ids below 128, within every shape's vocabulary), all different."""
+    from twinkle_fn.data import arithmetic_dataset, char_tokenizer, encode_rows, pack
+
+    features = encode_rows(char_tokenizer(), arithmetic_dataset(steps * samples, seed))
+    return tuple(pack(features[i * samples : (i + 1) * samples]) for i in range(steps))
+
+
+def parity_row(name: str, setup: OneGpuSetup) -> dict[str, Any]:
+    """Row `name` trained on each of ``setup.batches`` once: its loss curve and final loss (the
+    mean of the last `PARITY_MEAN` steps), or why it was skipped or failed."""
+    skipped = _skipped(name, setup.device)
+    if skipped is not None:
+        return skipped
+    release(setup.device)
+    try:
+        with _ROWS[name](setup) as step:
+            start = time.perf_counter()
+            losses = [float(step()) for _ in setup.batches]
+            seconds = time.perf_counter() - start
+    except Exception as e:  # a failing row is a result, not a crash
+        row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    else:
+        tail = losses[-PARITY_MEAN:]
+        row = {"status": "ok", "seconds": seconds, "final_loss": sum(tail) / len(tail)}
+        row["losses"] = losses
+    release(setup.device)
+    return row
+
+
+def bf16_row(name: str) -> str | None:
+    """The bf16 row an fp8 row `name` is compared with (its backend's, compiled alike); None
+    for a row that is not an fp8 row."""
+    backend_kind = name.split("_", 2)
+    if len(backend_kind) < 3 or not backend_kind[2].startswith("fp8"):
+        return None
+    compiled = "_compiled" if name.endswith("_compiled") else ""
+    return f"twinkle_{backend_kind[1]}_bf16{compiled}"
+
+
+def add_speedups(rows: dict[str, dict[str, Any]]) -> None:
+    """Write into each ok fp8 row ``x_bf16`` (its tokens/s over its `bf16_row`'s) and
+    ``mem_vs_bf16`` (peak memory over that row's; None on a CPU), where that row ran."""
+    for name, row in rows.items():
+        ref = rows.get(bf16_row(name) or "")
+        if row["status"] != "ok" or not ref or ref["status"] != "ok":
+            continue
+        row["x_bf16"] = row["tokens_per_s"] / ref["tokens_per_s"]
+        mem = row["peak_mem_gib"], ref["peak_mem_gib"]
+        row["mem_vs_bf16"] = None if None in mem else mem[0] / mem[1]
+
+
+def add_parity_diffs(rows: dict[str, dict[str, Any]]) -> None:
+    """Write into each ok fp8 row ``loss_diff_vs_bf16`` (its final loss minus that of the bf16
+    row of its backend and compilation) and ``max_loss_diff`` (the largest absolute difference
+    of their `PARITY_MEAN`-step means along the curves), where that bf16 row ran."""
+    for name, row in rows.items():
+        ref = rows.get(bf16_row(name) or "")
+        if row["status"] != "ok" or not ref or ref["status"] != "ok":
+            continue
+        row["loss_diff_vs_bf16"] = row["final_loss"] - ref["final_loss"]
+        means = [_means(row["losses"]), _means(ref["losses"])]
+        row["max_loss_diff"] = max(abs(a - b) for a, b in zip(*means, strict=True))
+
+
+def _means(losses: list[float]) -> list[float]:
+    n = min(PARITY_MEAN, len(losses))
+    return [sum(losses[i : i + n]) / n for i in range(len(losses) - n + 1)]
+
+
+def _main_parity(args: argparse.Namespace, setup: OneGpuSetup, rows: list[str]) -> dict[str, Any]:
+    batches = parity_batches(args.parity_steps, args.parity_samples)
+    setup = dataclasses.replace(setup, batches=batches)
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device_name": torch.cuda.get_device_name() if setup.device.type == "cuda" else "cpu",
+        "versions": versions(),
+        "workload": "fp8_parity",
+        "shape": args.shape,
+        "steps": args.parity_steps,
+        "samples_per_step": args.parity_samples,
+        "tokens_per_step": sum(int(b["input_ids"].numel()) for b in batches) / len(batches),
+        "lr": PARITY_LR,
+        "warmup_steps": min(PARITY_WARMUP, args.parity_steps - 1),
+        "rows": {},
+    }
+    print(f"fp8_parity {args.shape}: {args.parity_steps} steps on {result['device_name']}")
+    for name in rows:
+        result["rows"][name] = parity_row(name, setup)
+        add_parity_diffs(result["rows"])
+        row = {k: v for k, v in result["rows"][name].items() if k != "losses"}
+        print(f"{name}: {json.dumps(row)}", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -512,7 +700,13 @@ def _sync(device: torch.device) -> None:
 
 
 # The row the others are compared with, per workload.
-_REFERENCE = MappingProxyType({"lora": "peft_compiled", "full": "twinkle_transformers_adamw"})
+_REFERENCE = MappingProxyType(
+    {
+        "lora": "peft_compiled",
+        "full": "twinkle_transformers_adamw",
+        "fp8": "twinkle_transformers_bf16_compiled",
+    }
+)
 
 
 def _print_table(result: dict[str, Any]) -> None:
@@ -545,7 +739,8 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="lora")
-    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-4b")
+    shapes = tuple(SHAPES) + tuple(s for s in throughput.SHAPES if s not in SHAPES)
+    p.add_argument("--shape", choices=shapes, default="qwen3-4b")
     p.add_argument("--seq", type=_positive_int, default=2048)
     p.add_argument("--batch", type=_positive_int, default=4)
     p.add_argument("--rows", nargs="+", default=None, help="default: every row of the workload")
@@ -564,6 +759,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the compiled twinkle rows' compile_layers memory_budget (in [0, 1])",
     )
     p.add_argument("--checkpoint", default=None, help="load: default /tmp/twinkle_<shape>_bf16")
+    p.add_argument("--parity-steps", type=_positive_int, default=200, help="fp8_parity")
+    p.add_argument("--parity-samples", type=_positive_int, default=512, help="fp8_parity")
     p.add_argument("--json", default="one_gpu.json")
     return p
 

@@ -596,7 +596,11 @@ def host_batch(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
         return batch
     # contiguous: an expanded tensor (position_ids) pinned as it is would be copied into a
     # device tensor whose elements overlap
-    return {k: v.contiguous().pin_memory() for k, v in batch.items()}
+    # (a packed batch's max_seqlen is an int, and stays one)
+    return {
+        k: v.contiguous().pin_memory() if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
 
 
 @contextlib.contextmanager

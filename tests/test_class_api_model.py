@@ -489,3 +489,12 @@ def test_mesh_must_match_the_world_and_a_source_is_needed():
 def test_megatron_model_refuses_a_missing_model_dir_clearly():
     with pytest.raises(ValueError, match=r"not a directory with a config\.json"):
         MegatronModel(model_id="/nonexistent")
+
+
+def test_fp8_is_the_core_model_option():
+    """``fp8=`` reaches the core model's option (checked and applied by the backend at the first
+    state); ``mixed_precision='fp8'`` stays refused above: the compute dtype is another knob."""
+    assert TransformersModel(config=tiny_config(), fp8="rowwise")._model.options == {
+        "fp8": "rowwise"
+    }
+    assert TransformersModel(config=tiny_config())._model.options == {}

@@ -110,3 +110,18 @@ def test_bad_input_is_refused_before_anything_is_built(argv, match, tmp_path, ca
     assert main(["train", *argv, "--output-dir", str(tmp_path / "o")]) == 2
     assert re.search(match.replace("{tmp}", re.escape(str(tmp_path))), capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+def test_fp8_key_reaches_the_model_option():
+    """``fp8`` (a key, ``--set fp8=rowwise``) becomes the model option of that name; other
+    values are refused before anything is built. The facade's recipe list is the core's."""
+    from twinkle_fn.backends.fp8 import RECIPES
+
+    assert cfg.FP8_RECIPES == RECIPES
+    assert _run_config([]).fp8 is None
+    config = _run_config(["--set", "fp8=rowwise"])
+    model, _ = train._model_and_tokenizer(config)
+    assert model.options == {"fp8": "rowwise"}
+    assert train._model_and_tokenizer(_run_config([]))[0].options == {}
+    with pytest.raises(ValueError, match=r"fp8: 'e4m3' is not one of rowwise, tensorwise"):
+        cfg.build({"fp8": "e4m3"})

@@ -85,3 +85,43 @@ def test_load_rows_report_seconds_and_rates(tmp_path):
         assert row["status"] == "ok", (name, row)
         assert row["total_s"] == pytest.approx(row["load_s"] + row["init_s"])
         assert row["gb_per_s"] > 0
+
+
+_FP8_ROWS = ["twinkle_transformers_bf16", "twinkle_transformers_fp8", "twinkle_megatron_fp8"]
+
+
+@pytest.fixture(scope="module")
+def fp8_run():
+    rows = [*_FP8_ROWS, "twinkle_transformers_fp8_compiled"]
+    return one_gpu.main(
+        [*_TINY, "--workload", "fp8", "--device", "cpu", "--json", "", "--rows", *rows]
+    )
+
+
+def test_fp8_rows_train_the_same_task_and_compare_with_bf16(fp8_run):
+    """The fp8 rows start from the bf16 row's init (loss about ln(vocab)) and report their speed
+    against it; MFU has no peak on a CPU."""
+    rows = fp8_run["rows"]
+    assert rows["twinkle_transformers_fp8_compiled"]["status"] == "skipped"
+    for name in _FP8_ROWS:
+        if "megatron" in name and "megatron" not in backends.names():
+            continue
+        row = rows[name]
+        assert row["status"] == "ok", (name, row)
+        assert row["first_loss"] == pytest.approx(math.log(512), abs=0.1)
+        assert row["mfu"] is None
+    assert rows["twinkle_transformers_fp8"]["x_bf16"] > 0
+    assert "x_bf16" not in rows["twinkle_transformers_bf16"]
+
+
+def test_fp8_parity_reports_curves_and_the_difference_from_bf16():
+    """Two steps of the built-in data: both rows report their curves and the fp8 row its
+    difference from bf16, within 1% of the loss (the tolerance of the backends' fp8 tests)."""
+    rows = ["twinkle_transformers_bf16", "twinkle_transformers_fp8"]
+    args = ["--workload", "fp8_parity", "--shape", "tiny", "--device", "cpu", "--json", ""]
+    result = one_gpu.main([*args, "--parity-steps", "2", "--parity-samples", "4", "--rows", *rows])
+    bf16, fp8 = (result["rows"][name] for name in rows)
+    assert bf16["status"] == fp8["status"] == "ok"
+    assert len(bf16["losses"]) == len(fp8["losses"]) == 2
+    assert abs(fp8["loss_diff_vs_bf16"]) <= 1e-2 * bf16["final_loss"]
+    assert fp8["max_loss_diff"] >= abs(fp8["loss_diff_vs_bf16"])

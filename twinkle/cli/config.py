@@ -20,6 +20,9 @@ import yaml
 
 BACKENDS = ("transformers", "megatron")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# The model option fp8's recipes (twinkle_fn.backends.fp8.RECIPES; the facade names no backend
+# module, and a test keeps the two equal).
+FP8_RECIPES = ("rowwise", "tensorwise")
 
 
 @dataclass
@@ -109,10 +112,13 @@ class MegatronConfig:
 
 @dataclass
 class RunConfig:
-    """Everything one `twinkle train` run needs."""
+    """Everything one `twinkle train` run needs. `fp8`: None, or one of `FP8_RECIPES`: the
+    decoder's linears multiply in float8 (the model option ``fp8``; a CUDA GPU of compute
+    capability >= 8.9)."""
 
     backend: str = "transformers"
     precision: str = "fp32"
+    fp8: str | None = None
     seed: int = 0
     mesh: str | None = None
     resume: str | None = None
@@ -180,6 +186,10 @@ def build(raw: dict[str, Any], cls: type[RunConfig] = RunConfig) -> RunConfig:
         raise ValueError(f"backend: {config.backend!r} is not one of {', '.join(BACKENDS)}")
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision: {config.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if config.fp8 is not None and config.fp8 not in FP8_RECIPES:
+        raise ValueError(
+            f"fp8: {config.fp8!r} is not one of {', '.join(FP8_RECIPES)}; or null (off)"
+        )
     if config.megatron is not None and config.backend != "megatron":
         keys = ", ".join(sorted(raw.get("megatron") or {})) or "(empty)"
         raise ValueError(

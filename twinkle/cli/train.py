@@ -518,8 +518,10 @@ def _max_length(config: cfg.RunConfig, max_positions: int) -> int:
 def _model_and_tokenizer(config: cfg.RunConfig) -> tuple[tf.models.Model, Any]:
     """The model on ``config.backend`` (with its LoRA adapter) and its tokenizer. Raises
     ``ValueError`` for a model directory without a tokenizer."""
-    options = dict(config.megatron.override_transformer_config) if config.megatron else None
-    kwargs = dict(backend=config.backend, precision=config.precision, options=options)
+    options = dict(config.megatron.override_transformer_config) if config.megatron else {}
+    if config.fp8 is not None:
+        options["fp8"] = config.fp8
+    kwargs = dict(backend=config.backend, precision=config.precision, options=options or None)
     if config.model.path is None:
         tokenizer = char_tokenizer()
         hf_config = tiny_qwen2_config(len(tokenizer))

@@ -63,7 +63,9 @@ class TransformersModel(TrainableModel):
     `fsdp_config`: ``{"activation_checkpointing": bool, "expert_parallel": {"enabled": bool,
     "router_dtype": "fp32", "keep_router_logits": bool}}`` (upstream's; the mesh's ``ep_size``
     splits an MoE model's experts over the ep ranks, ``enabled=False`` with ``ep_size > 1`` is
-    refused; EP changes the experts only, so the router's logits are transformers' either way). Extra keyword arguments:
+    refused; EP changes the experts only, so the router's logits are transformers' either way).
+    `fp8`: ``"rowwise"`` or ``"tensorwise"`` runs the decoder's linears on float8 GEMMs (the
+    core's model option ``fp8``; ``mixed_precision`` stays the compute dtype). Extra keyword arguments:
     ``tokenizer_id``, ``seed`` (random init and dropout; default the `initialize` seed),
     ``dtype``/``torch_dtype`` (parameter dtype, e.g. float64 for exact tests), and, with
     `config`, fields of the config to override. Raises ``ValueError`` for what the core does
@@ -84,6 +86,7 @@ class TransformersModel(TrainableModel):
         ddp_config: Mapping[str, Any] | None = None,
         fsdp_config: Mapping[str, Any] | None = None,
         grad_scaler_config: Mapping[str, Any] | None = None,
+        fp8: str | None = None,
         **kwargs: Any,
     ) -> None:
         fsdp_config = _build.check_options(
@@ -93,7 +96,14 @@ class TransformersModel(TrainableModel):
         _build.check_expert_parallel(fsdp_config, self.device_mesh)
         self.strategy = strategy
         self._model = _build.build_model(
-            model_id, config, kwargs, mixed_precision, fsdp_config, self._seed, head=self._HEAD
+            model_id,
+            config,
+            kwargs,
+            mixed_precision,
+            fsdp_config,
+            self._seed,
+            options={"fp8": fp8} if fp8 is not None else None,
+            head=self._HEAD,
         )
 
     @property

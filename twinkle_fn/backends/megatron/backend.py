@@ -35,7 +35,10 @@ parameters, see `twinkle_fn.backends.megatron.grouped_experts`), ``lora`` (a
 (gradient elements per reduction bucket; default megatron's ``max(4e7, 1e6 * dp)`` with overlap,
 one bucket without), ``compile_layers`` (``True`` or a dict of ``torch.compile`` arguments
 and ``memory_budget``: compile each decoder layer of this stage, as on the transformers
-backend, see `twinkle_fn.backends.compile_layers`) and any ``TransformerConfig`` field (e.g.
+backend, see `twinkle_fn.backends.compile_layers`), ``fp8`` (``"rowwise"`` or ``"tensorwise"``:
+the decoder's trained linears multiply in float8, see `twinkle_fn.backends.megatron.fp8_linears`;
+megatron's own ``TransformerConfig.fp8`` is TransformerEngine's and not offered) and any
+``TransformerConfig`` field (e.g.
 ``recompute_granularity``) but those the mesh, the precision and the loss decide (parallel
 sizes, sequence parallelism, ``bf16`` / ``fp16``, per-token loss). A model built with
 ``activation_checkpointing=True`` recomputes every layer in backward (megatron's full, uniform

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from twinkle_fn.backends.megatron import grad_sync, parallel, param_sync
 from twinkle_fn.backends.megatron.bridge_rules import value_bias
+from twinkle_fn.backends.megatron.fp8_linears import use_fp8_linears
 from twinkle_fn.backends.megatron.layer_compile import compile_decoder_layers
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.backends.megatron.model import build_gpt_model
@@ -53,6 +54,7 @@ _OWN_OPTIONS = (
     "overlap_param_gather",
     "grad_bucket_size",
     "compile_layers",
+    "fp8",
 )
 # TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
 _FIXED_FIELDS = (
@@ -159,6 +161,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     lora = model.options.get("lora")
     # Before DDP and the optimizer: their buffers and state then cover the adapters only.
     plan = None if lora is None else add_adapters(gpt, lora, model.module)
+    use_fp8_linears(gpt, model.options.get("fp8"))
     compile_decoder_layers(gpt.decoder.layers, model.options.get("compile_layers", False))
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
     chunk = _ddp(gpt, wrapped, opts)

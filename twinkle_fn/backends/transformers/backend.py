@@ -15,6 +15,7 @@ from twinkle_fn.backends.transformers import (
     checkpoint,
     compute,
     export,
+    fp8_linears,
     fsdp,
     linear_attention,
     logps,
@@ -73,13 +74,16 @@ class TransformersBackend:
         ``Model.options["master_weights"]`` is ``False`` (every parameter in the compute dtype,
         for `twinkle_fn.optim.adamw_bf16`).
         A module on transformers' SDPA attention switches to `attention.NAME`, which runs
-        packed rows on a varlen kernel.
+        packed rows on a varlen kernel. ``Model.options["fp8"]`` (``"rowwise"`` or
+        ``"tensorwise"``) runs the decoder's trained linears on float8 GEMMs
+        (`fp8_linears.use_fp8_linears`, before the tp plan, compilation and FSDP2).
         """
         if model.placement is not None:
             return model
         compute.cast_residual_stream(model.module)
         lora.store_frozen_in(model.module, model.compute_dtype, _master_weights(model))
         attention.use_varlen_attention(model.module)
+        fp8_linears.use_fp8_linears(model, mesh)
         if mesh.world_size == 1:
             fsdp.compile_layers(model)
             return model

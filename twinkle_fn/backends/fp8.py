@@ -1,0 +1,209 @@
+"""The model option ``fp8``: decoder linears whose three GEMMs run in float8 (``torch._scaled_mm``).
+
+``fp8="rowwise"`` (or ``"tensorwise"``) makes each trained linear of the decoder layers (the
+attention's q/k/v/o and the MLP's; not the embedding, the lm_head or a router) compute
+``y = x @ w.T`` with `fp8_matmul`: an autograd function that quantises its operands to float8
+inside forward and backward and multiplies them on torch's scaled GEMM. Weights, activations
+between layers and gradients stay in the compute dtype (bf16 under ``precision="bf16"``) and
+the optimizer's master weights are untouched: only the three GEMMs of a linear see float8.
+
+Scaling is dynamic (from each operand's absolute maximum, every call; no amax history) and the
+scales are powers of two, so scaling is exact and the only rounding is the float8 cast itself
+(and `quantise_reference` reproduces the quantised operands bit for bit).
+
+- ``"rowwise"`` (the recommended setting): one scale per row of each operand along the GEMM's
+  non-contracted dimension (per token for activations and output gradients in the forward and
+  input-gradient GEMMs, per output / input feature for the weight), all in e4m3. A token whose
+  activations are 100x the others' (LLM activations have such outliers) then costs only its own
+  row precision; with one scale per tensor it pushes every other row toward e4m3's subnormals.
+  Per-row scales make e4m3 (3 mantissa bits, range 2^-9..448) enough for gradients too, as
+  torchao's rowwise recipe finds, so no GEMM needs e5m2's coarser 2 mantissa bits. Its cost: the
+  weight-gradient GEMM contracts over tokens, so its operands are scaled per column (a second
+  quantisation of the activation and the gradient, over the other dimension).
+- ``"tensorwise"``: one scale per tensor; e4m3 for activations and weights, e5m2 for output
+  gradients (whose range across tokens one scale must cover). Cheaper quantisation, coarser
+  numerics; offered for comparison (``benchmarks/one_gpu.py --workload fp8`` runs both).
+  With power-of-two scales, float8's relative rounding does not depend on the scale, so the
+  two recipes quantise an e4m3 operand alike except for values more than ~2^15 below their
+  scale group's maximum (e4m3's subnormals): per-row scales matter for wide-ranged tensors
+  (gradients), and the gradients' format (e4m3 or e5m2) matters throughout.
+
+Requirements (`check_device`, `check_linear`): a CUDA device of compute capability >= 8.9
+(Ada, Hopper and later; torch's CPU build also runs ``_scaled_mm``, as a reference kernel,
+which is what the CPU tests use), and both dimensions of every converted linear (on this rank,
+after tensor parallelism splits it) multiples of 16, as the GEMM requires. The token count is
+free: the weight-gradient GEMM, which contracts over tokens, pads them with zero rows to a
+multiple of 16 (zeros add nothing to the product and leave every scale unchanged).
+
+A linear whose weight does not train (a LoRA base, frozen) keeps its compute-dtype matmul: FP8
+speeds up training GEMMs of trained weights; a frozen base is stored in the compute dtype and
+its forward and input-gradient GEMMs stay as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+RECIPES = ("rowwise", "tensorwise")
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+# The GEMM's alignment: every dimension but the first operand's rows a multiple of 16.
+ALIGN = 16
+# Floor on an operand's absolute maximum: an all-zero row (a padded or unsupervised token's
+# gradient) gets a finite scale and quantises to zeros.
+_AMAX_FLOOR = 1e-12
+
+
+def check_setting(value: object) -> str | None:
+    """The recipe the option ``fp8`` names: ``None`` for ``None`` / ``False`` (off), else one of
+    `RECIPES`. Raises ``ValueError`` for anything else, naming the value and the choices."""
+    if value is None or value is False:
+        return None
+    if value not in RECIPES:
+        raise ValueError(
+            f"option fp8={value!r} is not a recipe; use one of {', '.join(map(repr, RECIPES))} "
+            "(float8 linears through torch._scaled_mm), or None for the compute dtype"
+        )
+    return str(value)
+
+
+def check_device(device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``torch._scaled_mm`` runs on `device`: a CUDA device of compute
+    capability >= 8.9, or a device whose torch build has a (reference) kernel for it, as torch's
+    CPU build does; the fix named is to leave ``fp8`` off there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name(index)
+            raise ValueError(
+                f"option fp8 needs float8 tensor cores (compute capability >= 8.9: Ada, Hopper "
+                f"or later); {name} is {major}.{minor}. Leave fp8 off on this GPU"
+            )
+        return
+    a = torch.zeros(ALIGN, ALIGN, device=device).to(E4M3)
+    one = torch.ones((), device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as e:
+        raise ValueError(
+            f"option fp8: torch {torch.__version__} has no float8 scaled GEMM on {device.type} "
+            f"({e}); train on a CUDA GPU of compute capability >= 8.9, or leave fp8 off"
+        ) from e
+
+
+def check_linear(name: str, out_features: int, in_features: int, where: str = "") -> None:
+    """Raise ``ValueError`` unless both dimensions of the linear `name` (its weight is
+    ``[out_features, in_features]`` on this rank; `where` says how it was split) are multiples
+    of `ALIGN`, naming the module, the shape and the fix."""
+    if out_features % ALIGN or in_features % ALIGN:
+        raise ValueError(
+            f"option fp8: linear {name} has a weight of shape [{out_features}, {in_features}]"
+            f"{where}, but float8 GEMMs need both dimensions to be multiples of {ALIGN}; pick a "
+            "model (or tensor-parallel size) whose projections are, or leave fp8 off"
+        )
+
+
+def quantise(t: Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[Tensor, Tensor]:
+    """`t` ``[rows, cols]`` as float8 `dtype` and the float32 scale that undoes it: ``(q, s)``
+    with ``q * s ≈ t``.
+
+    `rowwise`: one scale per row, ``s`` ``[rows, 1]``; else one for the tensor, ``s`` ``[]``.
+    Each scale is the power of two that brings the row's (tensor's) absolute maximum into
+    ``(max / 2, max]`` of `dtype` (the rescaling is exact, only the cast rounds); values
+    saturate at the format's maximum.
+    """
+    amax = t.abs().amax(dim=1, keepdim=True) if rowwise else t.abs().amax()
+    fmax = torch.finfo(dtype).max
+    up = torch.exp2(torch.floor(torch.log2(fmax / amax.float().clamp(min=_AMAX_FLOOR))))
+    q = (t.float() * up).clamp(-fmax, fmax).to(dtype).contiguous()
+    return q, up.reciprocal()
+
+
+def quantise_reference(t: Tensor, dtype: torch.dtype, rowwise: bool) -> Tensor:
+    """What `quantise` makes of `t`, dequantised, in float64 (the tests' reference)."""
+    q, s = quantise(t, dtype, rowwise)
+    return q.double() * s.double()
+
+
+def _scaled_mm(
+    a: Tensor,
+    b_t: Tensor,
+    a_dtype: torch.dtype,
+    rowwise: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+) -> Tensor:
+    """``a @ b_t.T`` in float8: `a` ``[m, k]`` as `a_dtype` and `b_t` ``[n, k]`` as e4m3, each
+    quantised along k (per row when `rowwise`); ``[m, n]`` in `out_dtype`. `fast_accum`:
+    Hopper's faster fp8 accumulation, which keeps fewer bits; as torchao does, only the forward
+    GEMM takes it, gradients accumulate in full float32."""
+    aq, sa = quantise(a, a_dtype, rowwise)
+    bq, sb = quantise(b_t, E4M3, rowwise)
+    return torch._scaled_mm(
+        aq,
+        bq.t(),  # column-major [k, n], as the GEMM needs its second operand
+        scale_a=sa,
+        scale_b=sb.t(),
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
+def _pad_cols(t: Tensor) -> Tensor:
+    """`t` ``[rows, cols]`` with zero columns appended up to a multiple of `ALIGN`."""
+    extra = -t.shape[1] % ALIGN
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+
+
+class _FP8Matmul(torch.autograd.Function):
+    """``x @ w.T`` with float8 operands in all three GEMMs (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, recipe: str) -> Tensor:  # [m, k], [n, k] -> [m, n]
+        ctx.save_for_backward(x, w)
+        ctx.recipe = recipe
+        return _scaled_mm(x, w, E4M3, recipe == "rowwise", x.dtype, fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, w = ctx.saved_tensors
+        rowwise = ctx.recipe == "rowwise"
+        grad_dtype = E4M3 if rowwise else E5M2
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # [m, n] @ [n, k]: contracted over output features
+            grad_x = _scaled_mm(grad, w.t().contiguous(), grad_dtype, rowwise, x.dtype)
+        if ctx.needs_input_grad[1]:
+            # [n, m] @ [m, k]: contracted over tokens, padded to the GEMM's alignment
+            g_t, x_t = _pad_cols(grad.t().contiguous()), _pad_cols(x.t().contiguous())
+            grad_w = _scaled_mm(g_t, x_t, grad_dtype, rowwise, w.dtype)
+        return grad_x, grad_w, None
+
+
+def fp8_matmul(x: Tensor, w: Tensor, recipe: str) -> Tensor:
+    """``x @ w.T`` for `x` ``[..., in]`` and `w` ``[out, in]`` (same floating dtype) with float8
+    GEMMs in forward and backward under `recipe` (one of `RECIPES`); returns ``[..., out]`` in
+    `x`'s dtype, gradients in `x`'s and `w`'s. Raises ``ValueError`` for an unknown recipe."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r} is not one of {', '.join(map(repr, RECIPES))}")
+    out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).contiguous(), w, recipe)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def fp8_linear(x: Tensor, w: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+    """``F.linear(x, w, bias)`` with `fp8_matmul` (see there; the bias is added in the compute
+    dtype). Under autocast the operands are cast to the autocast dtype first, as autocast casts
+    a linear's; `x` ``[..., in]``, `w` ``[out, in]``, `bias` ``[out]`` -> ``[..., out]``."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        x, w = x.to(dtype), w.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(kind, enabled=False):
+            return fp8_linear(x, w, bias, recipe)
+    out = fp8_matmul(x, w, recipe)
+    return out if bias is None else out + bias

@@ -1,0 +1,115 @@
+"""The model option ``fp8`` on the transformers backend: decoder linears with float8 GEMMs.
+
+`use_fp8_linears` turns the decoder layers' linears that the family's row lists (its tensor-
+parallel plan and ``tp_whole``: the attention's q/k/v/o, the dense and shared-expert MLPs'; not
+the embedding, the lm_head, a router or a shared-expert gate) into `FP8Linear`, an
+``nn.Linear`` whose forward is `twinkle_fn.backends.fp8.fp8_linear` (recipes, numerics and
+requirements there). Only linears whose weight trains are converted: under LoRA the frozen base
+linears (peft's ``base_layer``) stay as they are, in the compute dtype, and the adapters are too
+small for float8 GEMMs to pay, so LoRA with ``fp8`` is refused.
+
+The conversion is a class swap before tensor parallelism, ``compile_layers`` and FSDP2 wrap the
+layers, so all three see an ``nn.Linear``: FSDP2 gathers the weight as before (the forward
+sees it whole, in the compute dtype); under tp the weight is a DTensor shard, and `FP8Linear`
+multiplies the local shards and returns the DTensor that ``F.linear`` would (a colwise output
+split over features, a rowwise output partial), which the parallel styles then reduce as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from twinkle_fn.backends.fp8 import check_device, check_linear, check_setting, fp8_linear
+from twinkle_fn.backends.transformers.plans import tp_plan
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import COLWISE, family
+from twinkle_fn.models.model import Model
+
+
+class FP8Linear(torch.nn.Linear):
+    """``nn.Linear`` computing ``x @ w.T + b`` with float8 GEMMs (`fp8_linear`) when its weight
+    trains, with ``F.linear`` otherwise; ``fp8_recipe``: one of
+    `twinkle_fn.backends.fp8.RECIPES`. `x` ``[..., in]`` -> ``[..., out]``."""
+
+    fp8_recipe: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """See the class."""
+        w = self.weight
+        if not w.requires_grad:
+            return torch.nn.functional.linear(x, w, self.bias)
+        if isinstance(w, DTensor):
+            return _dtensor_linear(x, w, self.bias, self.fp8_recipe)
+        return fp8_linear(x, w, self.bias, self.fp8_recipe)
+
+
+def _dtensor_linear(
+    x: torch.Tensor, w: DTensor, bias: torch.Tensor | None, recipe: str
+) -> torch.Tensor:
+    """`fp8_linear` of the local shards of `x` (a DTensor under tp's input styles) and `w`,
+    returned as the DTensor ``F.linear`` gives: the weight split on dim 0 (colwise) gives an
+    output split on its last dim, split on dim 1 (rowwise, `x` split on its last dim) a partial
+    sum; the bias is added as a DTensor, so a rowwise bias is added once, after the reduction."""
+    (placement,) = w.placements
+    x_local = x.to_local() if isinstance(x, DTensor) else x
+    out = fp8_linear(x_local, w.to_local(), None, recipe)
+    if placement == Shard(0):
+        layout = Shard(out.ndim - 1)
+    elif placement == Shard(1):
+        layout = Partial()
+    else:
+        layout = x.placements[0] if isinstance(x, DTensor) else Replicate()
+    result = DTensor.from_local(out, w.device_mesh, (layout,), run_check=False)
+    return result if bias is None else result + bias
+
+
+def use_fp8_linears(model: Model, mesh: Mesh) -> int:
+    """Apply the model option ``fp8`` (see the module docstring) to `model`'s decoder layers,
+    before they are parallelised; returns how many linears became `FP8Linear` (0 with the
+    option off).
+
+    Raises ``ValueError`` for an unknown recipe, a device without float8 GEMMs
+    (`twinkle_fn.backends.fp8.check_device`), a converted linear whose dimensions on this rank
+    (after tp) are not multiples of 16 (`check_linear`, naming it), and when no linear trains
+    (LoRA).
+    """
+    recipe = check_setting(model.options.get("fp8"))
+    if recipe is None:
+        return 0
+    check_device(model.device)
+    subs = {**tp_plan(model.config, mesh.tp), **dict.fromkeys(family(model.config).tp_whole)}
+    names = {id(m): n for n, m in model.module.named_modules()}
+    linears = []
+    for layer in model.module.get_decoder().layers:
+        for sub, style in subs.items():
+            linear = _submodule(layer, sub)
+            if type(linear) is not torch.nn.Linear or not linear.weight.requires_grad:
+                continue  # absent in this layer, peft-wrapped (a frozen LoRA base), or frozen
+            out_f, in_f = linear.out_features, linear.in_features
+            if style is not None and mesh.tp > 1:
+                out_f, in_f = (
+                    (out_f // mesh.tp, in_f) if style == COLWISE else (out_f, in_f // mesh.tp)
+                )
+            split = f" on each of tp={mesh.tp} ranks" if style is not None and mesh.tp > 1 else ""
+            check_linear(names[id(linear)], out_f, in_f, split)
+            linears.append(linear)
+    if not linears:
+        raise ValueError(
+            f"option fp8={recipe!r}: no trained decoder linear to convert (the model trains "
+            "LoRA adapters only, whose frozen base linears keep the compute dtype); drop fp8, "
+            "or train the full weights"
+        )
+    for linear in linears:
+        linear.__class__ = FP8Linear
+        linear.fp8_recipe = recipe
+    return len(linears)
+
+
+def _submodule(module: torch.nn.Module, sub: str) -> torch.nn.Module | None:
+    """`module`'s submodule at the dotted path `sub`, None where this layer has none (a plan
+    entry of another kind of layer)."""
+    try:
+        return module.get_submodule(sub)
+    except AttributeError:
+        return None
