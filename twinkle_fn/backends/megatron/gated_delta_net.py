@@ -21,11 +21,17 @@ float32 rounding (`gated_delta_net_test`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import common, gdn
 from torch import Tensor
+from transformers import PretrainedConfig
+
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import Family
 
 # fla's default epsilon of l2norm (transformers' torch path uses the same).
 L2NORM_EPS = 1e-6
@@ -163,3 +169,71 @@ def use_kernels() -> str:
     common.l2norm = l2norm
     common.HAVE_FLA = True  # read by GatedDeltaNet.__init__ only
     return "torch"
+
+
+_SIZES = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+
+def config_fields(hf_config: PretrainedConfig, row: Family, mesh: Mesh) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of `row`'s Gated DeltaNet layers (`row.linear_attention`)
+    under `hf_config` on `mesh`: megatron's ``gated_delta_net`` attention variant on the layers
+    of the row's rule (``linear_attention_freq``, 1 for a DeltaNet layer) and the DeltaNet's
+    sizes (the HF config's fields of the same names). Raises ``ValueError`` when tp does not
+    divide the DeltaNet's key or value heads (megatron splits whole heads), or for cp > 1
+    (untested here)."""
+    linear = set(row.linear_attention.layers(hf_config))
+    sizes = {name: getattr(hf_config, name) for name in _SIZES}
+    for field in ("linear_num_key_heads", "linear_num_value_heads"):
+        if sizes[field] % mesh.tp:
+            raise ValueError(
+                f"tp={mesh.tp} does not divide {field}={sizes[field]} of this model's Gated "
+                f"DeltaNet layers (megatron splits whole heads); use a tp that divides it"
+            )
+    if mesh.cp > 1:
+        raise ValueError(
+            f"cp={mesh.cp}: context parallelism of Gated DeltaNet layers (megatron's all-to-all "
+            "over heads) is not supported by twinkle's megatron backend; use cp=1"
+        )
+    return dict(
+        sizes,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=[int(i in linear) for i in range(hf_config.num_hidden_layers)],
+    )
+
+
+def eager(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The function megatron's ``jit_fuser`` (``torch.compile``) wrapped, or `method` itself."""
+    return getattr(method, "_torchdynamo_orig_callable", method)
+
+
+class GatedDeltaNet(gdn.GatedDeltaNet):
+    """megatron-core's ``GatedDeltaNet``, whose ``torch.compile``'d helpers (megatron's
+    ``jit_fuser``: the gated norm, the q/k/v preparation, the decay) run compiled only with
+    ``config.bias_activation_fusion`` (twinkle's switch for megatron's compiled kernels, on
+    with CUDA): compiling them for the CPU takes ~20 s per model and saves nothing there.
+    Built like megatron's (same arguments, same parameters)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        use_kernels()
+        super().__init__(config, *args, **kwargs)
+        self._fused = bool(config.bias_activation_fusion)
+
+    def _apply_gated_norm(self, x: Tensor, gate: Tensor) -> Tensor:
+        return _helper(self, "_apply_gated_norm")(self, x, gate)
+
+    def _prepare_input_for_gated_delta_rule(self, *args: Any) -> tuple[Tensor, ...]:
+        return _helper(self, "_prepare_input_for_gated_delta_rule")(self, *args)
+
+    def _compute_g_and_beta(self, *args: Any) -> tuple[Tensor, Tensor]:
+        return _helper(self, "_compute_g_and_beta")(self, *args)
+
+
+def _helper(module: GatedDeltaNet, name: str) -> Callable[..., Any]:
+    method = getattr(gdn.GatedDeltaNet, name)
+    return method if module._fused else eager(method)
