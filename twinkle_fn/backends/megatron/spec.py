@@ -347,10 +347,13 @@ def decoder_spec(
     pp_rank: int | None = None,
     grouped_experts: bool = True,
 ) -> TransformerBlockSubmodules:
-    """Block spec of this pipeline stage's layers (dense or MoE each) and the final norm.
+    """Block spec of this pipeline stage's layers (dense or MoE each; a Gated DeltaNet or
+    attention each, `linear_attention_pattern`) and the final norm.
 
     `pp_rank` defaults to megatron's current pipeline rank; `use_te` and `grouped_experts` as
-    `layer_spec` takes them. Raises like `layer_spec`.
+    `layer_spec` takes them, but a model with Gated DeltaNet layers always takes the SDPA spec
+    (``use_te=None`` too). Raises like `layer_spec`, and ``ValueError`` for ``use_te=True``
+    with Gated DeltaNet layers.
     """
     pattern = moe_layer_pattern(config)
     linear = linear_attention_pattern(config)
