@@ -58,10 +58,13 @@ What the later rows taught (GLM-4 MoE, DeepSeek-V3, Qwen3.5):
   `megatron` to that reason. Its rotary key is shared by every head, so a head-split tp plan
   leaves its gradient partial: the transformers backend sums it over tp
   (``fsdp.SharedRotaryKey``).
-- A hybrid family (Qwen3.5's Gated DeltaNet) needs megatron-core's ``HybridModel`` (see
-  ``twinkle_fn/backends/megatron/model.py``) and, for packed rows, a convolution and a
-  recurrence that restart at ``cu_seqlens`` (the transformers backend's
-  ``linear_attention.py``): the row sets `megatron` to the reason.
+- A hybrid family (Qwen3.5's Gated DeltaNet layers between gated attention layers) states its
+  DeltaNet layers (`LinearAttention`), its ``1 + weight`` norms (`norm_offset`) and its gated
+  ``q_proj`` (`attention_gate`); megatron builds it on ``GPTModel`` with megatron-core's
+  ``GatedDeltaNet`` as those layers' attention (see ``twinkle_fn/backends/megatron/model.py``),
+  with torch kernels where fla is missing (``gated_delta_net.py``). Packed rows need a
+  convolution and a recurrence that restart at ``cu_seqlens``: megatron's DeltaNet takes them,
+  the transformers backend restarts transformers' layers there (``linear_attention.py``).
 
 To try a row without editing this module, `registered(row)` makes it known inside a ``with``
 block only (``families_test.py`` trains a copy of qwen2 under another ``model_type`` that way).
@@ -168,6 +171,32 @@ class Moe:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet (linear attention) layers beside a family's attention layers (Qwen3.5).
+
+    `layers`: THE rule of which decoder layers are linear attention, a function of the HF config
+    returning their indices in increasing order (the others attend fully). `module`: the
+    decoder-layer submodule of the DeltaNet, laid out as transformers' Qwen3.5 lays it out:
+    ``in_proj_qkv`` (queries, keys, values of every head), ``in_proj_z`` (the output gate),
+    ``in_proj_b`` / ``in_proj_a`` (per value head: beta, the decay's input), ``conv1d``,
+    ``A_log``, ``dt_bias``, ``norm`` (a gated RMSNorm of plain ``weight``) and ``out_proj``;
+    its sizes are the config's ``linear_*`` fields.
+    """
+
+    layers: Callable[[PretrainedConfig], tuple[int, ...]]
+    module: str
+
+
+def typed_layers(kind: str) -> Callable[[PretrainedConfig], tuple[int, ...]]:
+    """The rule "the layers whose ``config.layer_types`` entry is `kind`"."""
+
+    def layers(config: PretrainedConfig) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(config.layer_types) if t == kind)
+
+    return layers
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """Everything a backend needs to know about one model family (one row of the table).
 
@@ -188,8 +217,12 @@ class Family:
     multi-latent attention's down projections, a linear-attention layer's projections).
     `packed_rows`: None when the transformers backend trains packed rows (``cu_seqlens``), else
     why it cannot (it refuses them with the reason). `tensor_parallel`: None when the
-    transformers backend splits the family over tp > 1 by `tp_plan`, else why it cannot. Raises ``ValueError`` for a style, rope
-    kind or bias flag outside those listed.
+    transformers backend splits the family over tp > 1 by `tp_plan`, else why it cannot.
+    `linear_attention`: the family's Gated DeltaNet layers, None without. `norm_offset`: its
+    RMSNorms scale by ``1 + weight`` (weights stored centred on 0; a DeltaNet's gated norm
+    excepted). `attention_gate`: ``q_proj`` gives each head its query and then a gate of as
+    many channels (``[heads, 2, head_dim]`` rows), whose sigmoid scales the head's attention
+    output. Raises ``ValueError`` for a style, rope kind or bias flag outside those listed.
     """
 
     name: str
@@ -207,6 +240,9 @@ class Family:
     tp_whole: tuple[str, ...] = ()
     packed_rows: str | None = None
     tensor_parallel: str | None = None
+    linear_attention: LinearAttention | None = None
+    norm_offset: bool = False
+    attention_gate: bool = False
 
     def __post_init__(self) -> None:
         bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
@@ -550,12 +586,12 @@ _ROWS = (
         rope="rotate_half",
         # a DeltaNet layer is outside the sequence-parallel plan (it needs the whole sequence)
         sequence_parallel=False,
-        megatron=(
-            "its Gated DeltaNet (linear attention) layers need megatron-core's HybridModel, which "
-            "twinkle's megatron backend does not build yet (it builds GPTModel), and its gated "
-            "attention (q_proj's output gate) and (1 + weight) RMSNorms are not in megatron's "
-            "GPTModel layer spec"
+        megatron=None,
+        linear_attention=LinearAttention(
+            layers=typed_layers("linear_attention"), module="linear_attn"
         ),
+        norm_offset=True,
+        attention_gate=True,
     ),
     Family(
         name="gemma3_text",

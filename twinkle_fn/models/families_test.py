@@ -303,3 +303,35 @@ def test_a_new_family_is_one_row_on_the_megatron_backend():
     (runs,) = spawn(_both_on_megatron, 1)
     assert math.isfinite(runs["qwen2_copy"][0]) and runs["qwen2_copy"][1] > 0
     assert runs["qwen2_copy"] == runs["qwen2"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_linear_attention_norm_offset_and_attention_gate_are_what_transformers_builds(name):
+    """`linear_attention`'s rule names exactly the layers transformers gives its DeltaNet
+    module (4 layers, every second one attending fully); `norm_offset` rows zero-initialise
+    the decoder norms and scale by 1 + weight (a weight of -1 zeroes the output);
+    `attention_gate` rows give q_proj twice the query rows."""
+    row = family(name)
+    config = tiny_config(name, num_hidden_layers=4 if row.linear_attention else 2)
+    module = _module(config)
+    layers = module.model.layers
+    linear = row.linear_attention
+    if linear is None:
+        assert not any(_has(lay, "linear_attn") for lay in layers)
+    else:
+        got = tuple(i for i, lay in enumerate(layers) if _has(lay, linear.module))
+        assert got == linear.layers(config) == (0, 2)
+    attention = next(lay for lay in layers if _has(lay, "self_attn")).self_attn
+    if hasattr(attention, "head_dim"):  # not multi-latent attention
+        rows = config.num_attention_heads * attention.head_dim
+        assert attention.q_proj.weight.shape[0] == rows * (2 if row.attention_gate else 1)
+    else:
+        assert not row.attention_gate
+    norm = layers[0].input_layernorm
+    if row.norm_offset:
+        assert not norm.weight.any()
+        with torch.no_grad():
+            norm.weight.fill_(-1.0)
+            assert not norm(torch.randn(3, config.hidden_size)).any()
+    elif name != "gemma3_text":  # Gemma 3's (1 + weight) norms are megatron's refusal
+        assert torch.equal(norm.weight, torch.ones_like(norm.weight))

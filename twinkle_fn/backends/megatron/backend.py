@@ -1,5 +1,10 @@
 """The megatron backend: HF model families trained on megatron-core's ``GPTModel``.
 
+Hybrid families (Qwen3.5's Gated DeltaNet layers) are ``GPTModel`` too, megatron's
+``GatedDeltaNet`` as those layers' attention, not ``HybridModel``: why is in
+`twinkle_fn.backends.megatron.model`. Without fla (flash-linear-attention) the DeltaNet runs on
+torch kernels (`twinkle_fn.backends.megatron.gated_delta_net`), on the CPU and on GPUs.
+
 `MegatronBackend.prepare` builds this rank's pipeline stage from the model's HF config over
 megatron-core's process groups (`twinkle_fn.backends.megatron.parallel`), loads this rank's slices of the
 HF weights through the bridge, wraps the stage in ``Float16Module`` (bf16 / fp16) and megatron's

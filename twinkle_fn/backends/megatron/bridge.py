@@ -65,10 +65,13 @@ from twinkle_fn.backends.megatron.bridge_transforms import (
     even_range,
     fuse_gate_up,
     fuse_qkv,
+    group_query_gate,
+    interleave_query_gate,
     pad_vocab,
     padded_vocab_size,
     split_gate_up,
     split_qkv,
+    split_sections,
     tp_unshard,
     unpad_vocab,
 )
@@ -202,17 +205,22 @@ def _span(name: str, n: int, rank: int, size: int) -> tuple[int, int]:
 def _import_qkv(src: SliceSource, slot: _Slot, model: _Model, rank: int, size: int) -> torch.Tensor:
     # A rank's rows of the fused tensor cover whole query groups (or, with fewer kv heads than
     # ranks, part of one group): read the q/k/v rows of the groups it touches, fuse, then cut.
+    # A gated q_proj's queries and gates are fused as twice the query heads.
     hd, kv = model.head_dim, model.kv_heads
     per = model.heads // kv
-    group = (per + 2) * hd
+    gated = slot.rule.transform == "gated_qkv"
+    q_heads = 2 * per if gated else per
+    group = (q_heads + 2) * hd
     start, stop = _span(slot.mcore, kv * group, rank, size)
     g0, g1 = start // group, -(-stop // group)
     parts = []
-    for name, heads_per_group in zip(slot.hf, (per, 1, 1), strict=True):
+    for name, heads_per_group in zip(slot.hf, (q_heads, 1, 1), strict=True):
         rows = heads_per_group * hd
         _length(src, name, 0, kv * rows)
         parts.append(src.get_rows(name, 0, g0 * rows, g1 * rows))
-    fused = fuse_qkv(*parts, (g1 - g0) * per, g1 - g0, hd)
+    if gated:
+        parts[0] = group_query_gate(parts[0], per, hd)
+    fused = fuse_qkv(*parts, (g1 - g0) * q_heads, g1 - g0, hd)
     lo, hi = start - g0 * group, stop - g0 * group
     return fused if (lo, hi) == (0, fused.shape[0]) else fused[lo:hi].clone()
 
@@ -222,8 +230,18 @@ def _import(
 ) -> torch.Tensor:
     rule = slot.rule
     rank, size = (etp_rank, lay.etp) if rule.expert else (tp_rank, lay.tp)
-    if rule.transform == "qkv":
+    if rule.transform in ("qkv", "gated_qkv"):
         return _import_qkv(src, slot, model, rank, size)
+    if rule.transform in ("gdn_in_proj", "gdn_conv"):
+        sections = []
+        for name, rows in zip(slot.hf, model.sections(rule), strict=True):
+            _length(src, name, 0, sum(rows))
+            offset = 0
+            for n in rows:
+                start, stop = _span(name, n, rank, size)
+                sections.append(src.get_rows(name, 0, offset + start, offset + stop))
+                offset += n
+        return torch.cat(sections)
     if rule.transform == "gate_up":
         gate, up = slot.hf
         n = _length(src, gate, 0)
@@ -394,6 +412,17 @@ def _join(
     if rule.transform == "qkv":
         parts = split_qkv(tp_unshard(shards, 0), model.heads, model.kv_heads, model.head_dim)
         return list(zip(hf, parts, strict=True))
+    if rule.transform == "gated_qkv":
+        hd, per = model.head_dim, model.heads // model.kv_heads
+        q, k, v = split_qkv(tp_unshard(shards, 0), 2 * model.heads, model.kv_heads, hd)
+        return list(zip(hf, (interleave_query_gate(q, per, hd), k, v), strict=True))
+    if rule.transform in ("gdn_in_proj", "gdn_conv"):
+        rows = model.sections(rule)
+        whole = iter(split_sections(shards, [n for per_name in rows for n in per_name]))
+        return [
+            (name, torch.cat([next(whole) for _ in per_name]))
+            for name, per_name in zip(hf, rows, strict=True)
+        ]
     if rule.transform == "gate_up":
         gates, ups = zip(*(split_gate_up(s) for s in shards), strict=True)
         return list(zip(hf, (tp_unshard(gates, 0), tp_unshard(ups, 0)), strict=True))

@@ -10,6 +10,7 @@ expert-parallel rank. The functions that move tensors (`hf_to_mcore`, `mcore_to_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -17,9 +18,18 @@ from transformers import PretrainedConfig
 
 from twinkle_fn.models.families import Family, Moe, family
 
-TRANSFORMS: dict[str, int] = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
+TRANSFORMS: dict[str, int] = {
+    "copy": 1,
+    "vocab": 1,
+    "qkv": 3,
+    "gate_up": 2,
+    "gated_qkv": 3,
+    "gdn_in_proj": 4,
+    "gdn_conv": 1,
+}
 STAGES = ("first", "layer", "last")
 LAYER_KINDS = ("all", "dense", "moe")
+MIXERS = ("all", "attention", "linear")
 
 
 @dataclass(frozen=True)
@@ -29,12 +39,15 @@ class Rule:
     `hf` and `mcore` are patterns with ``{layer}`` (global index in `hf`, stage-local in
     `mcore`) and ``{expert}`` (global in `hf`, local to the expert-parallel rank in `mcore`).
     `transform` is one of `TRANSFORMS` ('copy', 'vocab': pad to megatron's vocabulary, 'qkv':
-    fuse per query group, 'gate_up': fuse per TP rank); `tp_dim` is the dim of the megatron
+    fuse per query group, 'gate_up': fuse per TP rank, 'gated_qkv': 'qkv' of a gated
+    ``q_proj`` (each group's queries, then its gates), 'gdn_in_proj' / 'gdn_conv': a Gated
+    DeltaNet's q, k, v (, z, beta, alpha) sections fused per TP rank); `tp_dim` is the dim of the megatron
     tensor that tensor parallelism splits (expert tensors: expert tensor parallelism), ``None``
     when replicated. `stage` places the tensor on the first pipeline stage, in every layer, or
-    on the last stage; `layers` restricts a layer rule to dense or MoE layers; a `tied` rule
-    is the last stage's copy of a tied embedding (imported, never exported). Raises
-    ``ValueError`` for an unknown transform, stage or layer kind, or a wrong number of names.
+    on the last stage; `layers` restricts a layer rule to dense or MoE layers and `mixer` to
+    attention or linear-attention (Gated DeltaNet) layers; a `tied` rule is the last stage's
+    copy of a tied embedding (imported, never exported). Raises ``ValueError`` for an unknown
+    transform, stage, layer kind or mixer, or a wrong number of names.
     """
 
     hf: tuple[str, ...]
@@ -44,6 +57,7 @@ class Rule:
     stage: str = "layer"
     layers: str = "all"
     tied: bool = False
+    mixer: str = "all"
 
     def __post_init__(self) -> None:
         if self.transform not in TRANSFORMS:
@@ -57,6 +71,8 @@ class Rule:
             raise ValueError(f"Rule stage {self.stage!r} is not one of {STAGES}")
         if self.layers not in LAYER_KINDS:
             raise ValueError(f"Rule layers {self.layers!r} is not one of {LAYER_KINDS}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"Rule mixer {self.mixer!r} is not one of {MIXERS}")
         if self.transform != "copy" and self.tp_dim != 0:
             raise ValueError(f"Rule for {self.mcore!r}: {self.transform!r} splits dim 0 over tp")
 
@@ -169,6 +185,56 @@ def moe_rules(moe: Moe) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
+def gated_delta_net_rules(module: str) -> tuple[Rule, ...]:
+    """The rules of a Gated DeltaNet layer's mixer, the HF decoder-layer submodule `module` laid
+    out as `twinkle_fn.models.families.LinearAttention` says, as megatron-core's
+    ``GatedDeltaNet`` (the layer's ``self_attention``): ``in_proj`` fuses q, k, v, z, beta and
+    alpha per tp rank, ``conv1d`` its q, k, v channels likewise; ``A_log`` / ``dt_bias`` split
+    by value heads, ``out_proj`` by its input, the gated norm whole."""
+    hf, mc = f"{_L}{module}.", _M + "self_attention."
+    return tuple(
+        dataclasses.replace(rule, mixer="linear")
+        for rule in (
+            Rule(
+                tuple(f"{hf}in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+                mc + "in_proj.weight",
+                "gdn_in_proj",
+                0,
+            ),
+            Rule((hf + "conv1d.weight",), mc + "conv1d.weight", "gdn_conv", 0),
+            Rule((hf + "dt_bias",), mc + "dt_bias", "copy", 0),
+            Rule((hf + "A_log",), mc + "A_log", "copy", 0),
+            Rule((hf + "norm.weight",), mc + "out_norm.weight", "copy", None),
+            Rule((hf + "out_proj.weight",), mc + "out_proj.weight", "copy", 1),
+        )
+    )
+
+
+def attention_rules(hf_config: PretrainedConfig) -> list[Rule]:
+    """The rules of `hf_config`'s attention (q/k/v, their biases, q/k norms, o_proj and its
+    bias), marked as attention layers' when the family also has Gated DeltaNet layers, whose
+    rules follow (`gated_delta_net_rules`). Raises ``ValueError`` as `megatron_family`."""
+    fam = megatron_family(hf_config)
+    qkv = [QKV, *([QKV_BIAS] if fam.has_bias("qkv", hf_config) else [])]
+    if fam.attention_gate:
+        qkv = [dataclasses.replace(rule, transform="gated_qkv") for rule in qkv]
+    rules = [*qkv, *(QK_NORM if fam.has_qk_norm(hf_config) else ()), O_PROJ]
+    rules += [O_BIAS] if fam.has_bias("o", hf_config) else []
+    if fam.linear_attention is None:
+        return rules
+    rules = [dataclasses.replace(rule, mixer="attention") for rule in rules]
+    return rules + list(gated_delta_net_rules(fam.linear_attention.module))
+
+
+def linear_layers(hf_config: PretrainedConfig) -> tuple[bool, ...]:
+    """Per global layer, whether it is a Gated DeltaNet (linear attention) layer (the family's
+    `LinearAttention.layers` rule; all ``False`` without). Raises ``ValueError`` for an unknown
+    family."""
+    linear = megatron_family(hf_config).linear_attention
+    chosen = set(linear.layers(hf_config)) if linear else set()
+    return tuple(i in chosen for i in range(hf_config.num_hidden_layers))
+
+
 def megatron_family(hf_config: PretrainedConfig) -> Family:
     """The row of `hf_config`'s family, when megatron-core can build it.
 
@@ -195,11 +261,7 @@ def rules_for(hf_config: PretrainedConfig, head: str = "lm") -> list[Rule]:
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
     fam = megatron_family(hf_config)
-    rules = [EMBEDDING, INPUT_NORM, QKV]
-    rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
-    rules += QK_NORM if fam.has_qk_norm(hf_config) else ()
-    rules += [O_PROJ]
-    rules += [O_BIAS] if fam.has_bias("o", hf_config) else []
+    rules = [EMBEDDING, INPUT_NORM, *attention_rules(hf_config)]
     rules += [POST_ATTN_NORM, *MLP]
     rules += MLP_BIAS if fam.has_bias("mlp", hf_config) else ()
     rules += moe_rules(fam.moe) if fam.moe is not None else ()
@@ -232,6 +294,17 @@ class _Model:
     shared_ffn: int
     experts: int
     moe: tuple[bool, ...]
+    gated: bool = False
+    linear: tuple[bool, ...] = ()
+    # a DeltaNet's q (= k) rows, v rows, value heads, key heads
+    gdn: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def sections(self, rule: Rule) -> tuple[tuple[int, ...], ...]:
+        """Per HF tensor of a 'gdn_in_proj' / 'gdn_conv' rule, the row counts of its sections."""
+        qk, v, heads, _ = self.gdn
+        if rule.transform == "gdn_conv":
+            return ((qk, qk, v),)
+        return ((qk, qk, v), (v,), (heads,), (heads,))
 
 
 @dataclass(frozen=True)
@@ -248,7 +321,18 @@ def _model(hf_config: PretrainedConfig) -> _Model:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = moe_layers(hf_config)
-    layout = megatron_family(hf_config).moe
+    fam = megatron_family(hf_config)
+    layout = fam.moe
+    linear = linear_layers(hf_config)
+    gdn = (0, 0, 0, 0)
+    if any(linear):
+        c = hf_config
+        gdn = (
+            c.linear_num_key_heads * c.linear_key_head_dim,
+            c.linear_num_value_heads * c.linear_value_head_dim,
+            c.linear_num_value_heads,
+            c.linear_num_key_heads,
+        )
     return _Model(
         heads=heads,
         kv_heads=kv_heads,
@@ -260,6 +344,9 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         shared_ffn=layout.shared.size(hf_config) if any(moe) and layout.shared else 0,
         experts=getattr(hf_config, layout.num_experts) if any(moe) else 0,
         moe=moe,
+        gated=fam.attention_gate,
+        linear=linear,
+        gdn=gdn,
     )
 
 
@@ -291,6 +378,18 @@ def _check_layout(model: _Model, lay: _Layout) -> None:
         raise ValueError(
             f"tp_size={tp} does not divide num_key_value_heads={kv}; megatron-core splits whole "
             "query groups over tensor parallelism. Use a tp_size that divides it."
+        )
+    key_heads, value_heads = model.gdn[3], model.gdn[2]
+    if any(model.linear) and (key_heads % tp or value_heads % tp):
+        raise ValueError(
+            f"tp_size={tp} does not divide the Gated DeltaNet's linear_num_key_heads={key_heads} "
+            f"and linear_num_value_heads={value_heads}; use a tp_size that divides both"
+        )
+    if model.gated and kv < tp:
+        raise ValueError(
+            f"tp_size={tp} exceeds num_key_value_heads={kv} of a gated attention (its q_proj "
+            "holds an output gate), whose replicated kv heads the bridge does not lay out; use "
+            "a tp_size that divides num_key_value_heads"
         )
     if kv < tp and (tp % kv or heads % tp or (kv * (heads // kv + 2) * model.head_dim) % tp):
         raise ValueError(
@@ -347,8 +446,11 @@ def _slots(
     for local in range(per_stage):
         layer = pp_rank * per_stage + local
         kind = "moe" if model.moe[layer] else "dense"
+        mixer = "linear" if model.linear and model.linear[layer] else "attention"
         for rule in rules:
             if rule.stage != "layer" or rule.layers not in ("all", kind):
+                continue
+            if rule.mixer not in ("all", mixer):
                 continue
             if not rule.expert:
                 hf = tuple(p.format(layer=layer) for p in rule.hf)

@@ -179,3 +179,68 @@ def unpad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] < rows:
         raise ValueError(f"tensor has {t.shape[0]} rows, fewer than the vocabulary's {rows}")
     return t[:rows]
+
+
+def group_query_gate(q_proj: torch.Tensor, heads_per_group: int, head_dim: int) -> torch.Tensor:
+    """A gated ``q_proj`` (HF's Qwen3.5: each head's query, then its gate) with its rows per
+    query group as megatron's gated ``linear_qkv`` takes them: the group's queries, then its
+    gates.
+
+    q_proj: ``[heads * 2 * head_dim, *rest]`` -> the same shape. Raises ``ValueError`` when the
+    rows are not whole groups of `heads_per_group` gated heads.
+    """
+    _check_positive(heads_per_group=heads_per_group, head_dim=head_dim)
+    if q_proj.shape[0] % (2 * heads_per_group * head_dim):
+        raise ValueError(
+            f"gated q_proj has {q_proj.shape[0]} rows, not whole groups of {heads_per_group} "
+            f"heads x (query, gate) x head_dim {head_dim}"
+        )
+    rest = q_proj.shape[1:]
+    grouped = q_proj.reshape(-1, heads_per_group, 2, head_dim, *rest).transpose(1, 2)
+    return grouped.reshape(q_proj.shape)
+
+
+def interleave_query_gate(
+    grouped: torch.Tensor, heads_per_group: int, head_dim: int
+) -> torch.Tensor:
+    """HF's gated ``q_proj`` rows from megatron's per-group ``[queries; gates]`` (inverse of
+    `group_query_gate`). Raises like it."""
+    _check_positive(heads_per_group=heads_per_group, head_dim=head_dim)
+    if grouped.shape[0] % (2 * heads_per_group * head_dim):
+        raise ValueError(
+            f"gated queries have {grouped.shape[0]} rows, not whole groups of {heads_per_group} "
+            f"heads x (query, gate) x head_dim {head_dim}"
+        )
+    rest = grouped.shape[1:]
+    heads = grouped.reshape(-1, 2, heads_per_group, head_dim, *rest).transpose(1, 2)
+    return heads.reshape(grouped.shape)
+
+
+def fuse_sections(sections: Sequence[torch.Tensor], rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s rows of a column-parallel linear whose output is several sections, each
+    split over `size` ranks on its own (megatron's Gated DeltaNet ``in_proj``: per rank its q,
+    k, v, z, beta and alpha heads): its part of each section, concatenated.
+
+    sections: ``[rows_i, *rest]`` -> ``[sum(rows_i) / size, *rest]``. Raises ``ValueError`` when
+    `size` does not divide a section.
+    """
+    return torch.cat([tp_shard(s, 0, rank, size) for s in sections])
+
+
+def split_sections(shards: Sequence[torch.Tensor], rows: Sequence[int]) -> list[torch.Tensor]:
+    """The whole sections (of `rows` rows each) from every rank's `fuse_sections` output, in
+    rank order (its inverse over all ranks). Raises ``ValueError`` when a shard is not
+    ``sum(rows) / len(shards)`` rows of evenly split sections."""
+    size = len(shards)
+    local = []
+    for n in rows:
+        if n % size:
+            raise ValueError(f"a section of {n} rows does not split evenly into {size} parts")
+        local.append(n // size)
+    for shard in shards:
+        if shard.shape[0] != sum(local):
+            raise ValueError(
+                f"a shard of {shard.shape[0]} rows is not {size} ranks' part of sections {rows}"
+            )
+    parts = [shard.split(local) for shard in shards]
+    return [tp_unshard([p[i] for p in parts], 0) for i in range(len(rows))]

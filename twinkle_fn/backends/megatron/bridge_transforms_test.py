@@ -5,10 +5,14 @@ from twinkle_fn.backends.megatron.bridge_transforms import (
     even_range,
     fuse_gate_up,
     fuse_qkv,
+    fuse_sections,
+    group_query_gate,
+    interleave_query_gate,
     pad_vocab,
     padded_vocab_size,
     split_gate_up,
     split_qkv,
+    split_sections,
     tp_shard,
     tp_unshard,
     unpad_vocab,
@@ -97,3 +101,26 @@ def test_pad_and_unpad_vocab():
         pad_vocab(t, 4)
     with pytest.raises(ValueError, match="fewer than"):
         unpad_vocab(t, 6)
+
+
+def test_a_gated_q_proj_is_grouped_as_megatrons_queries_then_gates():
+    """HF's Qwen3.5 q_proj rows are [head][query | gate]; megatron's gated linear_qkv wants each
+    query group's queries, then its gates (2 heads per group here)."""
+    q_proj = torch.cat([torch.cat([_heads(1, 2, 10 + h), _heads(1, 2, 20 + h)]) for h in range(4)])
+    grouped = group_query_gate(q_proj, heads_per_group=2, head_dim=2)
+    want = [10, 10, 11, 11, 20, 20, 21, 21, 12, 12, 13, 13, 22, 22, 23, 23]
+    assert grouped.squeeze(1).tolist() == want
+    assert torch.equal(interleave_query_gate(grouped, 2, 2), q_proj)
+    with pytest.raises(ValueError, match="not whole groups of 3 heads"):
+        group_query_gate(q_proj, heads_per_group=3, head_dim=2)
+
+
+def test_sections_fuse_per_rank_and_split_back():
+    """A Gated DeltaNet in_proj: each rank holds its part of every section, in order."""
+    q, k, z = torch.arange(4.0), torch.arange(10.0, 14.0), torch.arange(20.0, 22.0)
+    shards = [fuse_sections([q, k, z], rank, 2) for rank in range(2)]
+    assert shards[0].tolist() == [0, 1, 10, 11, 20] and shards[1].tolist() == [2, 3, 12, 13, 21]
+    back = split_sections(shards, [4, 4, 2])
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, z), strict=True))
+    with pytest.raises(ValueError, match="a section of 3 rows does not split evenly into 2"):
+        split_sections(shards, [4, 3, 3])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 from transformers import PretrainedConfig
 
+from twinkle_fn.backends.megatron import gated_delta_net
 from twinkle_fn.backends.megatron.bridge_rules import megatron_family
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import Family, Moe, flag_on
@@ -200,6 +201,8 @@ def transformer_config(
         add_bias_linear=bias,
         add_qkv_bias=fam.has_bias("qkv", hf_config),
         qk_layernorm=fam.has_qk_norm(hf_config),
+        layernorm_zero_centered_gamma=fam.norm_offset,
+        attention_output_gate=fam.attention_gate,
         rotary_interleaved=fam.rope == "interleaved",
         # HF's window of W tokens includes the query itself: W - 1 to the left, none right.
         window_size=(sliding - 1, 0) if sliding else None,
@@ -232,5 +235,7 @@ def transformer_config(
     )
     if moe_layers:
         fields.update(_moe_fields(hf_config, fam, mesh))
+    if fam.linear_attention is not None:
+        fields.update(gated_delta_net.config_fields(hf_config, fam, mesh))
     fields.update(overrides)
     return TransformerConfig(**fields)

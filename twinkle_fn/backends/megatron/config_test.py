@@ -24,12 +24,13 @@ def test_architecture_fields_follow_the_hf_config(family):
     cfg = transformer_config(hf, Mesh())
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 32, hf.intermediate_size)
     assert (cfg.num_attention_heads, cfg.num_query_groups) == (8, 2)
-    assert cfg.kv_channels == (8 if family in ("qwen3", "qwen3_moe", "glm4_moe") else 32 // 8)
+    head_dim_8 = ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_5_text")
+    assert cfg.kv_channels == (8 if family in head_dim_8 else 32 // 8)
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
     assert not cfg.add_bias_linear
     assert cfg.add_qkv_bias == (family in ("qwen2", "qwen2_moe"))
-    assert cfg.qk_layernorm == (family in ("qwen3", "qwen3_moe"))
+    assert cfg.qk_layernorm == (family in ("qwen3", "qwen3_moe", "qwen3_5_text"))
     assert cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0
     assert cfg.use_cpu_initialization and not cfg.gradient_accumulation_fusion
     assert cfg.calculate_per_token_loss and cfg.variable_seq_lengths
@@ -273,3 +274,26 @@ def test_glm4_moe_router_is_megatrons_sigmoid_router_with_a_fixed_bias():
 def test_a_router_megatron_computes_otherwise_is_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         transformer_config(tiny_config("glm4_moe", **fields), Mesh())
+
+
+def test_qwen3_5_gated_delta_net_layers_gate_and_centred_norms():
+    """Qwen3.5's row: megatron's gated_delta_net variant on its linear_attention layers with
+    the DeltaNet's sizes, the attention's output gate and (1 + weight) norms; a tp that splits
+    a DeltaNet head, or cp, is refused before megatron's asserts."""
+    hf = tiny_config("qwen3_5_text", num_hidden_layers=4)
+    cfg = transformer_config(hf, Mesh())
+    assert cfg.experimental_attention_variant == "gated_delta_net"
+    assert cfg.linear_attention_freq == [1, 0, 1, 0]
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (2, 4)
+    assert (cfg.linear_key_head_dim, cfg.linear_value_head_dim) == (8, 8)
+    assert cfg.linear_conv_kernel_dim == 4
+    assert cfg.attention_output_gate and cfg.layernorm_zero_centered_gamma
+    plain = transformer_config(tiny_config("qwen3"), Mesh())
+    assert plain.experimental_attention_variant is None and not plain.attention_output_gate
+    assert not plain.layernorm_zero_centered_gamma
+    with pytest.raises(ValueError, match="tp=4 does not divide linear_num_key_heads=2"):
+        transformer_config(
+            tiny_config("qwen3_5_text", num_attention_heads=8, num_key_value_heads=4), Mesh(tp=4)
+        )
+    with pytest.raises(ValueError, match="cp=2: context parallelism of Gated DeltaNet"):
+        transformer_config(hf, Mesh(cp=2))

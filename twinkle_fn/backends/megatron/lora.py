@@ -63,7 +63,12 @@ from torch import Tensor
 
 from twinkle_fn import lora as base_lora
 from twinkle_fn.backends.megatron.bridge import MLP, O_PROJ, QKV, Rule, join_shards, moe_layers
-from twinkle_fn.backends.megatron.bridge_rules import megatron_family, moe_rules
+from twinkle_fn.backends.megatron.bridge_rules import (
+    attention_rules,
+    linear_layers,
+    megatron_family,
+    moe_rules,
+)
 from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP, grouped_supported
 from twinkle_fn.backends.megatron.lora_linear import ExpertLora, LoraParallelLinear
 from twinkle_fn.lora import ALL_LINEAR, EXPERT_TENSORS, PEFT_PREFIX, resolve_moe_targets
@@ -77,6 +82,8 @@ LINEARS: dict[str, Rule] = {
     "mlp.linear_fc1": MLP[0],
     "mlp.linear_fc2": MLP[1],
 }
+# A Gated DeltaNet layer's linears take the slots of the attention's (seeds, export order).
+GDN_LINEARS = ("self_attention.in_proj", "self_attention.out_proj")
 # An MoE layer's shared-expert linears take the slots of the dense MLP's (seeds, export order).
 SHARED = {"mlp.shared_experts.linear_fc1": 2, "mlp.shared_experts.linear_fc2": 3}
 # The routed experts' linears, in the order of `EXPERT_TENSORS`.
@@ -141,14 +148,24 @@ def _hf_modules(rule: Rule, layer: int) -> tuple[str, ...]:
 
 def layer_linears(hf_config: Any) -> list[dict[str, Rule]]:
     """Per global layer, the linears that take a `LoraParallelLinear` and their bridge rules
-    (MoE layers: attention and the shared expert's MLP, if any)."""
-    attention = {k: r for k, r in LINEARS.items() if not k.startswith("mlp.")}
-    moe = megatron_family(hf_config).moe
+    (MoE layers: attention and the shared expert's MLP, if any; a Gated DeltaNet layer's
+    ``in_proj`` and ``out_proj`` in the attention's slots, `GDN_LINEARS`)."""
+    fam = megatron_family(hf_config)
+    moe = fam.moe
     by_name = (
         {r.mcore.removeprefix("decoder.layers.{layer}."): r for r in moe_rules(moe)} if moe else {}
     )
     shared = {k: by_name[f"{k}.weight"] for k in SHARED if f"{k}.weight" in by_name}
-    return [{**attention, **shared} if m else dict(LINEARS) for m in moe_layers(hf_config)]
+    mixers = {
+        r.mcore.removeprefix("decoder.layers.{layer}."): r for r in attention_rules(hf_config)
+    }
+    attention = {k: mixers[f"{k}.weight"] for k in LINEARS if k.startswith("self_attention.")}
+    linear = {k: mixers[f"{k}.weight"] for k in GDN_LINEARS if f"{k}.weight" in mixers}
+    mlp = {k: r for k, r in LINEARS.items() if k.startswith("mlp.")}
+    return [
+        {**(linear if la else attention), **(shared if m else mlp)}
+        for m, la in zip(moe_layers(hf_config), linear_layers(hf_config), strict=True)
+    ]
 
 
 def _expert_plan(
@@ -324,7 +341,7 @@ def add_adapters(
         for key in plan.layers.get(index, ()):
             parent, _, attr = key.rpartition(".")
             owner = layer.get_submodule(parent)
-            slot = SHARED[key] if key in SHARED else list(LINEARS).index(key)
+            slot = list(rules[index]).index(key)
             seed = len(LINEARS) * index + slot
             wrapped = LoraParallelLinear(
                 getattr(owner, attr), plan.config, rule=rules[index][key], seed=seed

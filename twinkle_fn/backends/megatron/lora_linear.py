@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     get_cuda_rng_tracker,
 )
+from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
@@ -30,7 +31,12 @@ from peft import LoraConfig
 from torch import Tensor
 
 from twinkle_fn.backends.megatron.bridge import Rule
-from twinkle_fn.backends.megatron.bridge_transforms import fuse_gate_up, split_gate_up, tp_shard
+from twinkle_fn.backends.megatron.bridge_transforms import (
+    fuse_gate_up,
+    fuse_sections,
+    split_gate_up,
+    tp_shard,
+)
 from twinkle_fn.backends.megatron.grouped_experts import grouped_linear
 
 
@@ -105,7 +111,7 @@ class LoraParallelLinear(MegatronModule):
         if config.init_lora_weights is False:
             torch.nn.init.kaiming_uniform_(b, a=math.sqrt(5), generator=gen)
         if self.column:
-            b = _rows_of_rank(b, rule, rank, tp)
+            b = _rows_of_rank(b, rule, rank, tp, self.base_layer.config)
         else:
             a = tp_shard(a, 1, rank, tp)
         self.lora_A.weight.copy_(a)
@@ -241,9 +247,16 @@ def _replicated(size_in: int, size_out: int, mc: Any) -> torch.nn.Linear:
     return linear
 
 
-def _rows_of_rank(full: Tensor, rule: Rule, rank: int, tp: int) -> Tensor:
+def _rows_of_rank(
+    full: Tensor, rule: Rule, rank: int, tp: int, config: TransformerConfig
+) -> Tensor:
     """Rank `rank`'s rows of a column-parallel tensor given in the tp=1 layout."""
     if rule.transform == "gate_up":  # megatron fuses [gate; up] per rank, not over the whole
         gate, up = split_gate_up(full)
         return fuse_gate_up(tp_shard(gate, 0, rank, tp), tp_shard(up, 0, rank, tp))
+    if rule.transform == "gdn_in_proj":  # likewise q, k, v, z, beta, alpha (Gated DeltaNet)
+        qk = config.linear_num_key_heads * config.linear_key_head_dim
+        v = config.linear_num_value_heads * config.linear_value_head_dim
+        heads = config.linear_num_value_heads
+        return fuse_sections(full.split([qk, qk, v, v, heads, heads]), rank, tp)
     return tp_shard(full, 0, rank, tp)

@@ -1,17 +1,26 @@
 """Build megatron-core's ``GPTModel`` for an HF config on this rank's pipeline stage.
 
 megatron-core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``. Every family built
-here (attention layers only; dense, MoE and shared-expert MLPs, GLM-4 MoE's sigmoid router
-included) is built on ``GPTModel`` still: it is what the layer spec, the bridge's parameter
-names, LoRA, dist checkpoints and the CPU compatibility layer are written and tested against,
-and it builds these families exactly; ``HybridModel`` would rename every parameter (its layer
-pattern places attention, MLP and MoE as separate layers), so the bridge, LoRA and checkpoints
-would change with it for no gain to these families. New attention-only families (DeepSeek-V3's
-multi-latent attention, when built) go on ``GPTModel`` too: its layer spec takes
-``MLASelfAttention``. Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers sit between attention
-layers, are what ``HybridModel`` is for; that family is refused here (its row's `megatron`
-reason) until it is built, and building it is the time to move every family to ``HybridModel``
-at once, so that one model class serves the backend.
+here is built on ``GPTModel`` still, Qwen3.5's hybrid layers included:
+
+- attention-only families (dense, MoE and shared-expert MLPs, GLM-4 MoE's sigmoid router,
+  DeepSeek-V3's multi-latent attention when built: its layer spec takes ``MLASelfAttention``):
+  ``GPTModel`` is what the layer spec, the bridge's parameter names, LoRA, dist checkpoints and
+  the CPU compatibility layer are written and tested against, and it builds them exactly;
+- Qwen3.5 (Gated DeltaNet layers between gated attention layers, every layer followed by a
+  dense MLP): its layer spec puts megatron-core's ``GatedDeltaNet`` where the attention is in
+  the DeltaNet layers (`twinkle_fn.backends.megatron.spec`), with megatron's own
+  ``experimental_attention_variant="gated_delta_net"`` and ``linear_attention_freq`` in the
+  ``TransformerConfig`` -- megatron-core's own way of building a Qwen3-Next-style model on
+  ``GPTModel``. ``HybridModel`` could express the pattern (a mixer layer, then an MLP layer,
+  per HF layer), but it numbers the mixer and the MLP as two layers, so HF layer ``i`` would
+  become layers ``2i`` and ``2i + 1``: the bridge, LoRA, pipeline stages (``HybridModel``
+  splits its pattern string, not HF layers) and dist checkpoints would all change for this one
+  family, and its stack spec is written for TransformerEngine's modules. On ``GPTModel`` one
+  HF layer stays one megatron layer, with the same norms and MLP names as every family.
+
+Moving every family to ``HybridModel`` at once, when ``GPTModel`` is removed, is then one
+change of numbering in the bridge rather than a fork per family.
 
 A critic (``head="value"``) is the same ``GPTModel`` with its vocabulary output layer replaced by
 `ValueHead`, a replicated ``[hidden] -> 1`` linear: the way verl / slime build a megatron critic

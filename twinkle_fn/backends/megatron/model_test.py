@@ -56,9 +56,15 @@ def _expected_names(case: str) -> set[str]:
         names.add("output_layer.weight")
     dense_layers = set(getattr(cfg, "mlp_only_layers", None) or ())
     dense_layers |= set(range(getattr(cfg, "first_k_dense_replace", 0)))  # GLM-4 MoE
+    types = getattr(cfg, "layer_types", None) or ()
     for i in range(cfg.num_hidden_layers):
         p = f"decoder.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"}
+        if types and types[i] == "linear_attention":  # Qwen3.5's Gated DeltaNet
+            gdn = ("in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "out_norm.weight")
+            names |= {p + "self_attention." + n for n in (*gdn, "out_proj.weight")}
+            names |= {p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"}
+            continue
         names |= {p + f"self_attention.linear_{n}.weight" for n in ("qkv", "proj")}
         if family in ("qwen2", "qwen2_moe") or getattr(cfg, "attention_bias", False):
             names.add(p + "self_attention.linear_qkv.bias")
@@ -151,9 +157,10 @@ def test_logits_match_transformers_on_the_same_weights(megatron_world, case):
     torch.testing.assert_close(logits[..., : cfg.vocab_size], want, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "qwen3_5_text"])
 def test_packed_logits_match_each_sample_alone(megatron_world, case):
-    """THD packing (rope restarts per sample, SDPA per sample) == unpacked HF logits."""
+    """THD packing (rope restarts per sample, SDPA per sample; a Gated DeltaNet's convolution
+    and recurrence restart at cu_seqlens) == unpacked HF logits."""
     cfg, hf = _hf_model(case)
     model = build_gpt_model(cfg, Mesh()).eval()
     _load(model, hf, cfg, Mesh(), 0)

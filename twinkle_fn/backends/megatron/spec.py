@@ -31,6 +31,7 @@ from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -50,6 +51,7 @@ from megatron.core.transformer.transformer_layer import (
 from torch import Tensor
 
 from twinkle_fn.backends.megatron.attention import SDPAAttention
+from twinkle_fn.backends.megatron.gated_delta_net import GatedDeltaNet, eager
 from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP
 from twinkle_fn.backends.megatron.packed_rotary import rotary_freqs
 
@@ -70,10 +72,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
+def rms_norm_offset(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``(1 + weight) * x / rms(x)`` over the last dim of `x` ``[..., hidden]``, like HF's
+    Qwen3.5 / Gemma norms (weights centred on 0): scaled in float32, then rounded to x's dtype.
+    """
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
 @functools.cache
-def _compiled_rms_norm() -> Callable[[Tensor, Tensor, float], Tensor]:
-    """`rms_norm` compiled into one forward and one backward kernel (compiled on first call)."""
-    return torch.compile(rms_norm, fullgraph=True)
+def _compiled_rms_norm(offset: bool = False) -> Callable[[Tensor, Tensor, float], Tensor]:
+    """`rms_norm` (`rms_norm_offset` if `offset`) compiled into one forward and one backward
+    kernel (compiled on first call)."""
+    return torch.compile(rms_norm_offset if offset else rms_norm, fullgraph=True)
 
 
 class RMSNorm(torch.nn.Module):
@@ -83,11 +94,19 @@ class RMSNorm(torch.nn.Module):
     config is, so megatron sums its gradient over the tensor-parallel group. With
     ``config.persist_layer_norm`` (megatron's switch for its fused norm kernel; on by default
     with CUDA, see `twinkle_fn.backends.megatron.config`) `rms_norm` runs torch.compile'd: the unfused
-    form is ~4 passes over the activations forward and ~6 backward. Raises ``ValueError`` if
-    ``config.normalization`` is not ``"RMSNorm"``.
+    form is ~4 passes over the activations forward and ~6 backward. With `zero_centered` (default
+    ``config.layernorm_zero_centered_gamma``) it scales by ``1 + weight`` (`rms_norm_offset`;
+    ``weight`` zeros at init). Raises ``ValueError`` if ``config.normalization`` is not
+    ``"RMSNorm"``.
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-6,
+        zero_centered: bool | None = None,
+    ) -> None:
         super().__init__()
         if config.normalization != "RMSNorm":
             raise ValueError(
@@ -95,16 +114,45 @@ class RMSNorm(torch.nn.Module):
                 "set TransformerConfig.normalization='RMSNorm'"
             )
         self.eps = eps
+        if zero_centered is None:
+            zero_centered = config.layernorm_zero_centered_gamma
+        self.zero_centered = bool(zero_centered)
+        init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(
-            torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
+            init(hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.fused = bool(config.persist_layer_norm)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``weight * x / rms(x)`` over the last dim; `x`: ``[..., hidden]``."""
-        norm = _compiled_rms_norm() if self.fused else rms_norm
+        """``weight * x / rms(x)`` (``(1 + weight)`` when zero-centred) over the last dim; `x`:
+        ``[..., hidden]``."""
+        if self.fused:
+            norm = _compiled_rms_norm(self.zero_centered)
+        else:
+            norm = rms_norm_offset if self.zero_centered else rms_norm
         return norm(x, self.weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """A plain (``weight``, ones at init) RMSNorm over each head's channels inside a
+    tensor-parallel layer (a Gated DeltaNet's gated output norm): each tp rank normalises its
+    own heads with the one replicated ``weight``, whose gradient is therefore summed over the
+    tp group in backward (megatron's ``finalize_model_grads`` sums the q/k norms' by name only).
+    Its weight is never marked ``sequence_parallel``: the heads, not the sequence, are split."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(config, hidden_size, eps, zero_centered=False)
+        self.weight.sequence_parallel = False  # type: ignore[attr-defined]
+        self.tp = config.tensor_model_parallel_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``weight * x / rms(x)`` over the last dim; `x`: ``[..., head_dim]``."""
+        weight = self.weight
+        if self.tp > 1:
+            weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
+        norm = _compiled_rms_norm() if self.fused else rms_norm
+        return norm(x, weight, self.eps)
 
 
 def _init_device(config: TransformerConfig) -> torch.device:
@@ -139,6 +187,13 @@ class SelfAttention(mcore_attention.SelfAttention):
         if rotary_freqs(kwargs.get("packed_seq_params")) is not None:
             kwargs["rotary_pos_emb"] = None
         return super().forward(*args, **kwargs)
+
+    def _apply_output_gate(self, x: Tensor, gate: Tensor) -> Tensor:
+        # megatron's jit_fuser compiles it: only with twinkle's compiled kernels (CUDA), as
+        # for the Gated DeltaNet's helpers
+        method = mcore_attention.SelfAttention._apply_output_gate
+        fused = self.config.bias_activation_fusion
+        return (method if fused else eager(method))(self, x, gate)
 
 
 class _SDPASpecProvider(LocalSpecProvider):
@@ -187,6 +242,7 @@ def layer_spec(
     *,
     moe: bool | None = None,
     grouped_experts: bool = True,
+    linear: bool = False,
 ) -> ModuleSpec:
     """``ModuleSpec`` of one ``TransformerLayer`` (norm -> attention -> norm -> MLP or MoE).
 
@@ -195,26 +251,31 @@ def layer_spec(
     spec's on both (experts: with ``moe_grouped_gemm=False``). `moe`: an MoE layer (default:
     iff the config has experts). `grouped_experts`: the SDPA spec's experts run as grouped
     GEMMs (`GroupedSequentialMLP`), else in megatron's loop (``SequentialMLP``); same
-    parameters either way. q/k RMSNorms when ``config.qk_layernorm``. Raises ``ValueError``
+    parameters either way. q/k RMSNorms when ``config.qk_layernorm``. `linear`: a Gated
+    DeltaNet layer (`_gated_delta_net` in the attention's place). Raises ``ValueError``
     for ``use_te=True`` without TransformerEngine.
     """
     backend = _backend(use_te, grouped_experts)
     is_moe = config.num_moe_experts is not None if moe is None else moe
     norm = backend.layer_norm(rms_norm=True, for_qk=False)
     qk_norm = backend.layer_norm(rms_norm=True, for_qk=True) if config.qk_layernorm else IdentityOp
-    attention = ModuleSpec(
-        # TE's core attention does not apply `packed_rotary` angles: megatron rotates there
-        module=SelfAttention
-        if isinstance(backend, _SDPASpecProvider)
-        else mcore_attention.SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=backend.column_parallel_linear(),
-            core_attention=backend.core_attention(),
-            linear_proj=backend.row_parallel_linear(),
-            q_layernorm=qk_norm,
-            k_layernorm=qk_norm,
-        ),
+    attention = (
+        _gated_delta_net(backend)
+        if linear
+        else ModuleSpec(
+            # TE's core attention does not apply `packed_rotary` angles: megatron rotates there
+            module=SelfAttention
+            if isinstance(backend, _SDPASpecProvider)
+            else mcore_attention.SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=backend.column_parallel_linear(),
+                core_attention=backend.core_attention(),
+                linear_proj=backend.row_parallel_linear(),
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+        )
     )
     if is_moe:
         mlp = get_moe_module_spec_for_backend(
@@ -245,6 +306,30 @@ def layer_spec(
     )
 
 
+def _gated_delta_net(backend: BackendSpecProvider) -> ModuleSpec:
+    """megatron-core's ``GatedDeltaNet`` as a layer's attention, with the layer's own input
+    norm (not fused into ``in_proj``: parameter names stay those of every layer) and a plain
+    (not zero-centred) RMSNorm as its gated output norm (`HeadRMSNorm`), as HF's Qwen3.5 has;
+    fla's kernels or
+    their torch fallbacks (`twinkle_fn.backends.megatron.gated_delta_net`)."""
+    return ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=backend.column_parallel_linear(),
+            out_norm=HeadRMSNorm,
+            out_proj=backend.row_parallel_linear(),
+        ),
+    )
+
+
+def linear_attention_pattern(config: TransformerConfig) -> list[bool]:
+    """Per global layer, whether it is a Gated DeltaNet layer (``config.linear_attention_freq``
+    as a list; none without the ``gated_delta_net`` attention variant)."""
+    if config.experimental_attention_variant != "gated_delta_net":
+        return [False] * config.num_layers
+    return [bool(f) for f in config.linear_attention_freq]
+
+
 def moe_layer_pattern(config: TransformerConfig) -> list[bool]:
     """Per global layer, whether it is an MoE layer (from ``config.moe_layer_freq``)."""
     if config.num_moe_experts is None:
@@ -262,18 +347,30 @@ def decoder_spec(
     pp_rank: int | None = None,
     grouped_experts: bool = True,
 ) -> TransformerBlockSubmodules:
-    """Block spec of this pipeline stage's layers (dense or MoE each) and the final norm.
+    """Block spec of this pipeline stage's layers (dense or MoE each; a Gated DeltaNet or
+    attention each, `linear_attention_pattern`) and the final norm.
 
     `pp_rank` defaults to megatron's current pipeline rank; `use_te` and `grouped_experts` as
-    `layer_spec` takes them. Raises like `layer_spec`.
+    `layer_spec` takes them, but a model with Gated DeltaNet layers always takes the SDPA spec
+    (``use_te=None`` too). Raises like `layer_spec`, and ``ValueError`` for ``use_te=True``
+    with Gated DeltaNet layers.
     """
     pattern = moe_layer_pattern(config)
+    linear = linear_attention_pattern(config)
+    if any(linear):
+        if use_te:
+            raise ValueError(
+                "use_te=True: twinkle's TransformerEngine spec does not build Gated DeltaNet "
+                "layers; use use_te=None or False"
+            )
+        use_te = False
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, pp_rank=pp_rank)
+    stage = slice(offset, offset + count)
     return TransformerBlockSubmodules(
         layer_specs=[
-            layer_spec(config, use_te, moe=m, grouped_experts=grouped_experts)
-            for m in pattern[offset : offset + count]
+            layer_spec(config, use_te, moe=m, grouped_experts=grouped_experts, linear=la)
+            for m, la in zip(pattern[stage], linear[stage], strict=True)
         ],
         layer_norm=_backend(use_te).layer_norm(rms_norm=True, for_qk=False),
     )

@@ -7,12 +7,17 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
 from twinkle_fn.backends.megatron import spec
 from twinkle_fn.backends.megatron.attention import SDPAAttention
 from twinkle_fn.backends.megatron.attention_test import _config
+from twinkle_fn.backends.megatron.config import transformer_config
+from twinkle_fn.backends.megatron.gated_delta_net import GatedDeltaNet
 from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP
 from twinkle_fn.backends.megatron.spec import RMSNorm, decoder_spec, layer_spec
+from twinkle_fn.mesh import Mesh
+from twinkle_fn.testing import tiny_config
 
 
 def test_rms_norm_matches_transformers_and_marks_sequence_parallel():
@@ -136,3 +141,24 @@ def test_decoder_spec_holds_this_stages_layers_and_a_final_rms_norm():
     ]
     assert kinds == [[True, False], [False, True]]
     assert decoder_spec(moe_cfg, pp_rank=0).layer_norm is RMSNorm
+
+
+def test_qwen3_5_layers_and_centred_norms():
+    """Qwen3.5's block: a Gated DeltaNet layer (twinkle's GatedDeltaNet, its gated output norm
+    a plain `HeadRMSNorm`) then an attention layer, on the SDPA spec; TE is refused for it. Its
+    (1 + weight) norms start at zero and equal transformers' Qwen3.5 RMSNorm."""
+    config = transformer_config(tiny_config("qwen3_5_text"), Mesh())
+    block = decoder_spec(config, use_te=None, pp_rank=0)
+    linear, full = (s.submodules.self_attention for s in block.layer_specs)
+    assert linear.module is GatedDeltaNet and linear.submodules.out_norm is spec.HeadRMSNorm
+    assert full.module is spec.SelfAttention
+    with pytest.raises(ValueError, match="use_te=True: twinkle's TransformerEngine spec"):
+        decoder_spec(config, use_te=True, pp_rank=0)
+    norm = RMSNorm(config, 32, eps=1e-6)
+    assert norm.zero_centered and not norm.weight.any()
+    want = Qwen3_5RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        want.weight.copy_(norm.weight)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(norm(x), want(x), rtol=0, atol=1e-6)
