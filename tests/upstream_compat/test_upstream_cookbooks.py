@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MIRROR = Path("/work/.mirror/modelscope+twinkle/repo")
 COOKBOOK = ROOT / "cookbook"
 
-# Nine 4-rank torchrun jobs and four smaller runs (about 14 minutes on 2 cores): opt-in,
+# Nine 4-rank torchrun jobs and three smaller runs (24 minutes on a busy 2-core machine): opt-in,
 # beside the mirror.
 OPT_IN = "TWINKLE_UPSTREAM_COOKBOOKS"
 pytestmark = pytest.mark.skipif(
