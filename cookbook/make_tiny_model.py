@@ -1,10 +1,11 @@
-"""Write a tiny random-init Qwen3 (or Qwen3-MoE) model with a character tokenizer into a directory.
+"""Write a tiny random-init Qwen3 (Qwen3-MoE, Qwen3.5-MoE) model with a character tokenizer into a directory.
 
 The cookbook scripts run upstream Twinkle's examples on CPU with no download: this is the
 "model id" they load (a local HF directory: config.json, safetensors weights, tokenizer)::
 
     python cookbook/make_tiny_model.py /tmp/tiny-qwen3
     python cookbook/make_tiny_model.py /tmp/tiny-qwen3-moe --family qwen3_moe
+    python cookbook/make_tiny_model.py /tmp/tiny-qwen3_5-moe --family qwen3_5_moe_text
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinkle_fn.data import char_tokenizer
 
-# family -> its config fields beyond the dense ones (4 experts, 2 per token, every layer MoE)
+# family -> its config fields beyond the dense ones (4 experts, 2 per token, every layer MoE;
+# Qwen3.5-MoE's text model: a Gated DeltaNet layer, then a full attention layer, each with a
+# shared expert beside the routed ones)
 FAMILIES = {
     "qwen3": {},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1},
+    "qwen3_5_moe_text": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "full_attention_interval": 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+    },
 }
 
 
@@ -31,7 +41,7 @@ def make_tiny_model(
     seed: int = 0,
     family: str = "qwen3",
 ) -> Path:
-    """Save a `num_layers`-layer model of `family` ('qwen3' or 'qwen3_moe', see `FAMILIES`) of
+    """Save a `num_layers`-layer model of `family` (one of `FAMILIES`) of
     width `hidden_size` (random weights from `seed`) and the character-level ChatML tokenizer
     to `path`; returns the path. Raises ``ValueError`` for another family.
 
@@ -42,7 +52,15 @@ def make_tiny_model(
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     tokenizer = char_tokenizer()
-    moe = {"moe_intermediate_size": hidden_size // 2} if family == "qwen3_moe" else {}
+    moe = {}
+    if "num_experts" in FAMILIES[family]:
+        moe = {"moe_intermediate_size": hidden_size // 2}
+    if family == "qwen3_5_moe_text":
+        moe |= {
+            "shared_expert_intermediate_size": hidden_size,
+            "linear_key_head_dim": hidden_size // 4,
+            "linear_value_head_dim": hidden_size // 4,
+        }
     config = AutoConfig.for_model(
         family,
         vocab_size=len(tokenizer),

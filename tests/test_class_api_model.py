@@ -466,6 +466,34 @@ def test_unsupported_options_raise(kwargs, match):
         TransformersModel(config=tiny_config(), **kwargs)
 
 
+def test_model_id_takes_its_own_config_and_refuses_another(model_dir):
+    """Upstream's EP cookbook passes ``config=AutoConfig.from_pretrained(model_id)`` (use_cache
+    off) next to the model id: the directory's model loads; a config of another model is
+    refused naming the fields."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    model = TransformersModel(model_id=model_dir, config=config, mixed_precision="no")
+    assert model.get_train_configs()
+    config.num_hidden_layers += 1
+    with pytest.raises(ValueError, match=r"differs from the directory's config.json in \['num_"):
+        TransformersModel(model_id=model_dir, config=config)
+
+
+def test_expert_parallel_switches_take_upstream_clis_ints():
+    """``--enable-ep 1`` reaches ``enabled`` as the int 1 through upstream's CLI."""
+    from twinkle import DeviceMesh
+    from twinkle.model._build import check_expert_parallel, check_options
+
+    options = {"expert_parallel": {"enabled": 1, "keep_router_logits": 0}}
+    args = ("AutoModelForCausalLM", "native_fsdp", None)
+    assert check_options(*args, options, None) == options
+    check_expert_parallel(options, DeviceMesh.from_sizes(dp_size=2, ep_size=2))
+    with pytest.raises(ValueError, match=r"\['enabled'\] must be a bool \(or 0 / 1\), got 2"):
+        check_options(*args, {"expert_parallel": {"enabled": 2}}, None)
+
+
 def test_expert_parallel_disabled_on_an_ep_mesh_is_refused():
     from twinkle import DeviceMesh
     from twinkle.model._build import check_expert_parallel

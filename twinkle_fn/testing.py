@@ -84,6 +84,19 @@ _EXTRA: dict[str, dict[str, Any]] = {
         "linear_value_head_dim": 8,
         "full_attention_interval": 2,
     },
+    # qwen3_5_text's two layers, each with 4 routed experts (2 per token) and a shared expert
+    "qwen3_5_moe_text": {
+        "head_dim": 8,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "full_attention_interval": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32,
+    },
     # sliding and global layers alternate; a window shorter than the test sequences
     "gemma3_text": {
         "head_dim": 8,

@@ -16,9 +16,18 @@ README.md's first Python block (the quick start: a LoRA run in Ray mode) runs th
 model id, dataset id, device type ('CPU'), rank count, mesh, sample count, batch size and log
 interval replaced in its text (`README_EDITS`, each found exactly once).
 
-Not run: ``ep_fsdp2_lora_qwen3_5_moe.py`` (expert parallelism on the transformers backend and
-the qwen3_5_moe family are other issues' work). Skipped when the mirror (or git) is absent, as
-on CI's clean machine. Each case prints its command and the last lines of its output.
+``ep_fsdp2_lora_qwen3_5_moe.py`` (LoRA on every linear and the routed experts, experts split
+over ep as its ``.sh`` does: ep = fsdp = every rank) runs on a tiny Qwen3.5-MoE text model
+(``qwen3_5_moe_text``: the text model of upstream's ``Qwen3.6-35B-A3B``) and saves
+``checkpoint-final``.
+
+The quick starts of upstream's docs (``docs/source_en/Usage Guide/Quick-Start.md``: partial
+components, single GPU, torchrun; `DOC_CASES`) run the same way: the python block under each
+heading, with model id, dataset id, the mesh (torchrun: 4 ranks), sample count and log interval
+replaced in its text, each replacement found as many times as stated.
+
+Skipped when the mirror (or git) is absent, as on CI's clean machine. Each case prints its
+command and the last lines of its output.
 """
 
 import ast
@@ -38,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MIRROR = Path("/work/.mirror/modelscope+twinkle/repo")
 COOKBOOK = ROOT / "cookbook"
 
-# Seven 4-rank torchrun jobs (about 9 minutes on 2 cores): opt-in, beside the mirror.
+# Nine 4-rank torchrun jobs and three smaller runs (24 minutes on a busy 2-core machine): opt-in,
+# beside the mirror.
 OPT_IN = "TWINKLE_UPSTREAM_COOKBOOKS"
 pytestmark = pytest.mark.skipif(
     not MIRROR.is_dir() or shutil.which("git") is None or os.environ.get(OPT_IN) != "1",
@@ -108,7 +118,23 @@ CASES = {
         "qwen3_moe",
         {"--dp-size": "2", "--tp-size": "2", "--pp-size": "1", "--ep-size": "2"},
     ),
+    # its .sh: fsdp = ep = every rank, the log interval = the accumulation steps
+    "ep_fsdp2_lora_qwen3_5_moe": (
+        "cookbook/transformers/ep_fsdp2_lora_qwen3_5_moe.py",
+        4,
+        "qwen3_5_moe_text",
+        {
+            "--fsdp-size": "4",
+            "--dp-size": "1",
+            "--ep-size": "4",
+            "--batch-size": "4",
+            "--gradient-accumulation-steps": "2",
+            "--log-interval": "2",
+        },
+    ),
 }
+# the checkpoint a script saves last (default: last-checkpoint)
+LAST_SAVED = {"ep_fsdp2_lora_qwen3_5_moe": "checkpoint-final"}
 FULL_PARAMETER_LINE = "model.add_adapter_to_model(args.lora.adapter_name, lora_config)"
 
 
@@ -149,7 +175,7 @@ def _full_parameter(source: str) -> str:
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("upstream_cookbooks")
     make = runpy.run_path(str(COOKBOOK / "make_tiny_model.py"))["make_tiny_model"]
-    for family in ("qwen3", "qwen3_moe"):
+    for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
         make(root / f"tiny-{family}", hidden_size=32, family=family)
     with open(root / "self_cognition.jsonl", "w") as f:
         for i in range(64):
@@ -205,6 +231,79 @@ def test_upstream_readme_quickstart_runs(workdir):
     assert (run_dir / "output" / "last-checkpoint" / "adapter_model.safetensors").is_file()
 
 
+QUICK_START = "docs/source_en/Usage Guide/Quick-Start.md"
+_DOC_DATA = (
+    "'ms://swift/self-cognition', data_slice=range(1000)",
+    "'{data}', data_slice=range(64)",
+)
+_DOC_MODEL = "model_id='ms://Qwen/Qwen3.5-4B'", "model_id='{model}'"
+# quick start -> (its heading, torchrun ranks (None: plain python), edits: (text, its CPU
+# replacement, how many times the text is there))
+DOC_CASES = {
+    "partial_components": (
+        "### Using Only Partial Components",
+        None,
+        [("dataset_id='ms://swift/self-cognition'", "dataset_id='{data}'", 1), (*_DOC_MODEL, 1)],
+    ),
+    "single_gpu": (
+        "### Single GPU",
+        None,
+        [(*_DOC_DATA, 1), (*_DOC_MODEL, 2), ("step % 20 == 0", "step % 1 == 0", 1)],
+    ),
+    "torchrun": (
+        "### torchrun",
+        4,
+        [
+            ("fsdp_size=4, dp_size=2", "fsdp_size=2, dp_size=2", 1),
+            (*_DOC_DATA, 1),
+            (*_DOC_MODEL, 2),
+            ("step % 20 == 0", "step % 1 == 0", 1),
+        ],
+    ),
+}
+
+
+def doc_block(doc: str, heading: str) -> str:
+    """The first python block after `heading` (a line of its own) in the markdown `doc`."""
+    lines = doc.splitlines()
+    assert heading in lines, f"upstream's doc no longer has the heading {heading!r}"
+    rest = "\n".join(lines[lines.index(heading) + 1 :])
+    block = re.search(r"```python\n(.*?)```", rest, re.S)
+    assert block, f"no python block under {heading!r}"
+    return block.group(1)
+
+
+@pytest.mark.parametrize("case", list(DOC_CASES))
+def test_upstream_doc_quickstart_runs(case, workdir):
+    heading, ranks, edits = DOC_CASES[case]
+    source = doc_block(_git_show(QUICK_START), heading)
+    fill = {"model": str(workdir / "tiny-qwen3"), "data": str(workdir / "self_cognition.jsonl")}
+    for old, new, count in edits:
+        assert source.count(old) == count, f"upstream's {heading!r} no longer has {old!r}"
+        source = source.replace(old, new.format(**fill))
+    run_dir = workdir / f"doc_{case}"
+    run_dir.mkdir()
+    (run_dir / "train.py").write_text(source)
+    launcher = [] if ranks is None else ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
+    command = [sys.executable, *launcher, *(["--standalone"] if ranks else []), "train.py"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run(
+        command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900
+    )
+    output = proc.stdout + proc.stderr
+    lines = [x for x in output.splitlines() if x.strip() and "it/s]" not in x]
+    shown = ["python", "train.py"] if ranks is None else ["torchrun", *command[3:]]
+    print(f"\n$ {shlex.join(shown)}  # {heading[4:]}, CPU edits\n" + "\n".join(lines[-4:]))
+    assert proc.returncode == 0, output[-6000:]
+    if case == "partial_components":  # prints the first packed batch
+        assert "'input_ids'" in proc.stdout and "'position_ids'" in proc.stdout, proc.stdout
+        return
+    losses = _losses(output, r"metric: \{[^}]*'loss': '?([0-9.]+)")
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    assert (run_dir / "output" / "last-checkpoint" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_upstream_cookbook_runs(case, workdir):
     script, ranks, family, changed = CASES[case]
@@ -242,19 +341,25 @@ def test_upstream_cookbook_runs(case, workdir):
         command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900
     )
     output = proc.stdout + proc.stderr
-    noise = ("it/s]", "async save is deprecated")
+    noise = ("it/s]", "async save is deprecated", "While redistributing from")
     lines = [x for x in output.splitlines() if x.strip() and not any(n in x for n in noise)]
     tail = "\n".join(lines[-6:])
     print(f"\n$ {shlex.join(['torchrun', *command[3:]])}\n{tail}")
     assert proc.returncode == 0, output[-6000:]
     losses = _losses(output, r"metric: \{[^}]*'loss': '?([0-9.]+)")
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
-    last = output_dir / "last-checkpoint"
+    last = output_dir / LAST_SAVED.get(case, "last-checkpoint")
     saved = sorted(p.name for p in output_dir.iterdir())
     assert last.is_dir(), saved
     if "Eval metric" in output:  # the first evaluation is the best so far: it saves
         assert any(name.startswith("checkpoint-") for name in saved), saved
-    if case.startswith(("fsdp2", "tp_lora")):  # saved with save_optimizer=True
+    if case.startswith(("fsdp2", "tp_lora", "ep_")):  # saved with save_optimizer=True
         assert (last / "train_state" / "twinkle_manifest.json").is_file()
+    if case.startswith("ep_"):  # the adapter adapts the routed experts too
+        adapter = json.loads((last / "adapter_config.json").read_text())
+        assert sorted(adapter["target_parameters"]) == [
+            "mlp.experts.down_proj",
+            "mlp.experts.gate_up_proj",
+        ]
     if case == "tp_moe":  # save('last-checkpoint', merge_lora=True): a plain HF model
         assert (last / "config.json").is_file() and not (last / "adapter_config.json").exists()

@@ -239,10 +239,24 @@ class TrainableModel(abc.ABC):
         """Training: the last step's ``loss`` (token mean over its micro-batches and data
         ranks), ``grad_norm``, ``lr``, ``num_tokens`` and ``step``. Evaluation: the token-mean
         ``loss`` and ``num_tokens`` of the `forward_only` calls since the last call (then
-        reset), over every data rank: every rank gets the same numbers, as upstream's. The
-        evaluation call is a collective: every rank calls it."""
+        reset), over every data rank: every rank gets the same numbers, as upstream's. Then
+        the numbers of the metrics `add_metric` attached for that kind. The evaluation call
+        (and a metric that gathers) is a collective: every rank calls it."""
         g = self._resolve(adapter_name)
-        return g.pending.metrics() if is_training else _group.pop_eval(g, self.device_mesh)
+        base = g.pending.metrics() if is_training else _group.pop_eval(g, self.device_mesh)
+        return {**base, **_group.calculate_metrics(g, is_training)}
+
+    @remote_function()
+    def add_metric(self, metric_cls: Any, is_training: bool | None = None, **kwargs: Any) -> None:
+        """Attach a metric to the training forwards (`is_training` True), the evaluation
+        forwards (False) or both (None), as upstream's ``add_metric``: `metric_cls` is a
+        `twinkle.metric.Metric` subclass (built with the model's ``device_mesh`` and `kwargs`,
+        ``adapter_name`` popped first: the group it watches) or instance. Its ``calculate()``
+        joins ``calculate_metric``'s dict. Raises ``ValueError`` for a metric name (upstream's
+        metric classes are not provided: `twinkle.metric.NOT_PROVIDED` says why) and
+        ``TypeError`` as `twinkle.metric.make_metric` does."""
+        g = self._resolve(kwargs.pop("adapter_name", None))
+        _group.add_metric(g, metric_cls, is_training, kwargs, self.device_mesh)
 
     # Settings.
     @remote_function()

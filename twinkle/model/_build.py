@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 import twinkle_fn as tf
 from twinkle.device_mesh import DeviceMesh
@@ -81,9 +81,12 @@ def _check_expert_parallel_options(options: Mapping[str, Any]) -> None:
             f"{EXPERT_PARALLEL_OPTIONS}"
         )
     for key in ("enabled", "keep_router_logits"):
-        if not isinstance(options.get(key, True), bool):
+        # 0 / 1 too: upstream's CLI casts ``--enable-ep 1`` to an int, which its switch reads
+        value = options.get(key, True)
+        if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
             raise ValueError(
-                f"fsdp_config['expert_parallel']['{key}'] must be a bool, got {options[key]!r}"
+                f"fsdp_config['expert_parallel']['{key}'] must be a bool (or 0 / 1), got "
+                f"{options[key]!r}"
             )
     if options.get("router_dtype", "fp32") != "fp32":
         raise ValueError(
@@ -131,8 +134,9 @@ def build_model(
     in `head` (``"value"``: a critic, see `twinkle_fn.models.from_pretrained`).
     ``dtype``/``torch_dtype`` are popped from `overrides` first: the parameters' dtype.
 
-    Raises ``ValueError`` for `config`/fields next to a `model_id`, for neither given, and for
-    a field that is not one of `config`'s.
+    Raises ``ValueError`` for fields next to a `model_id`, a `config` next to it that describes
+    another model (`_check_same_model`), for neither given, and for a field that is not one of
+    `config`'s.
     """
     dtype = overrides.pop("dtype", overrides.pop("torch_dtype", None))
     build = dict(
@@ -143,11 +147,13 @@ def build_model(
         head=head,
     )
     if model_id is not None:
-        if config is not None or overrides:
+        if overrides:
             raise ValueError(
-                "with model_id, the directory's config.json is used; config= and config "
-                f"overrides {sorted(overrides)} are not supported (build from config= instead)"
+                "with model_id, the directory's config.json is used; config overrides "
+                f"{sorted(overrides)} are not supported (build from config= instead)"
             )
+        if config is not None:
+            _check_same_model(config, model_id)
         model = tf.models.from_pretrained(model_id, **build)
     elif config is not None:
         model = tf.models.from_hf_config(_override(config, overrides), seed=seed, **build)
@@ -156,6 +162,30 @@ def build_model(
     if dtype is not None:
         model.module.to(dtype)
     return model
+
+
+# Config fields that change how a forward runs (generation), not which model the files hold.
+_RUNTIME_FIELDS = frozenset({"use_cache", "transformers_version", "architectures", "dtype"})
+
+
+def _check_same_model(config: PretrainedConfig, model_id: str | os.PathLike[str]) -> None:
+    """Accept `config` next to `model_id` (upstream's ``TransformersModel(model_id, config=
+    AutoConfig.from_pretrained(model_id))``, e.g. with ``use_cache`` off) when it describes the
+    directory's model: every field but `_RUNTIME_FIELDS` (and private ones) as in its
+    config.json. Raises ``ValueError`` naming the fields that differ."""
+    theirs = AutoConfig.from_pretrained(tf.models.resolve_model_dir(model_id)).to_dict()
+    mine = config.to_dict()
+
+    def kept(key: str) -> bool:
+        return key not in _RUNTIME_FIELDS and not key.startswith("_")
+
+    differ = sorted(k for k in set(mine) | set(theirs) if kept(k) and mine.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(
+            f"config= next to model_id={os.fspath(model_id)!r} differs from the directory's "
+            f"config.json in {differ[:5]}: the weights are loaded with the directory's config; "
+            "pass model_id alone, or config= alone to build a new model"
+        )
 
 
 def _override(config: PretrainedConfig, fields: Mapping[str, Any]) -> PretrainedConfig:

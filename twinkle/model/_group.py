@@ -11,7 +11,7 @@ scheduler become the core's transform through `optim`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
 from twinkle.loss import CrossEntropyLoss, Loss, make_loss
+from twinkle.metric import Metric, make_metric
 from twinkle.model import optim
 from twinkle.model._accumulate import Pending
 from twinkle.processor import InputProcessor
@@ -46,6 +47,10 @@ class Group:
     # The group's training: None until built (and while MegatronModel has it offloaded).
     state: tf.TrainState | None = None
     pending: Pending = dataclasses.field(default_factory=Pending)
+    # add_metric's metrics: of training forwards (True) and of evaluation forwards (False)
+    metrics: dict[bool, list[Metric]] = dataclasses.field(
+        default_factory=lambda: {True: [], False: []}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +233,40 @@ def model_loss(loss_cls: Any, kwargs: dict[str, Any]) -> Loss:
     if loss.ignore_index != -100:
         raise ValueError(f"ignore_index must be -100, got {loss.ignore_index}")
     return loss
+
+
+def add_metric(
+    g: Group, metric_cls: Any, is_training: bool | None, kwargs: dict[str, Any], mesh: DeviceMesh
+) -> None:
+    """Attach a metric (`twinkle.metric.make_metric`) to `g`'s training forwards
+    (`is_training` True), evaluation forwards (False) or both (None: two instances, as
+    upstream builds one per list). Raises as `make_metric` does."""
+    for training in (True, False):
+        if is_training is None or is_training is training:
+            g.metrics[training].append(make_metric(metric_cls, mesh, dict(kwargs)))
+
+
+def accumulate_metrics(
+    g: Group, inputs: Callable[[], dict[str, Any]], out: ModelOutput, training: bool
+) -> None:
+    """Hand one forward to `g`'s metrics of its kind: `inputs` gives the collated batch (built
+    only when a metric is attached), `out` the call's outputs."""
+    metrics = g.metrics[training]
+    if not metrics:
+        return
+    batch = inputs()
+    info = {"step": g.pending.seen, "gradient_accumulation_steps": g.gradient_accumulation_steps}
+    for metric in metrics:
+        metric.accumulate(batch, out, **info)
+
+
+def calculate_metrics(g: Group, training: bool) -> dict[str, Any]:
+    """The numbers of `g`'s metrics of that kind, merged in the order they were added (each
+    resets). A collective where a metric gathers: every rank calls it."""
+    merged: dict[str, Any] = {}
+    for metric in g.metrics[training]:
+        merged.update(metric.calculate() or {})
+    return merged
 
 
 def add_eval(g: Group, out: ModelOutput) -> None:

@@ -290,7 +290,9 @@ class MegatronModel(TrainableModel):
         )
         key = "values" if self._HEAD == "value" else "logps"  # what the forward yields
         rows = _stack_rows([unpack(aux[key], batch) for batch, aux in runs])
-        return ModelOutput({key: rows}, **totals)
+        out = ModelOutput({key: rows}, **totals)
+        _group.accumulate_metrics(g, lambda: g.processor(features), out, training=True)
+        return out
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def forward_only(
@@ -308,6 +310,7 @@ class MegatronModel(TrainableModel):
             **_accumulate.read_loss(got["loss_sum"], got["num_tokens"]),
         )
         _group.add_eval(g, out)
+        _group.accumulate_metrics(g, lambda: batch, out, training=False)
         return out
 
     def get_hf_state_dict(

@@ -176,6 +176,7 @@ class TransformersModel(TrainableModel):
         loss_sum, num_tokens = (sum(a[k] for a in sums) for k in ("loss_sum", "num_tokens"))
         out.update(_accumulate.read_loss(loss_sum, num_tokens))
         g.last = (batch, out, False)
+        _group.accumulate_metrics(g, lambda: batch, out, training=True)
         return out
 
     @remote_function(dispatch="slice_dp", collect="flatten")
@@ -213,6 +214,7 @@ class TransformersModel(TrainableModel):
         out = _inputs.outputs(state, batch, temperature, return_logits, disable_lora)
         g.last = (batch, out, False)
         _group.add_eval(g, out)
+        _group.accumulate_metrics(g, lambda: batch, out, training=False)
         return out
 
     @remote_function(collect="mean")
@@ -241,6 +243,7 @@ class TransformersModel(TrainableModel):
             raise ValueError("backward needs a forward(inputs=...) call before it")
         g.pending.add(self._ensure_state(g), g.last[0], loss=g.loss.token_loss())
         g.last = (g.last[0], g.last[1], False)
+        _group.accumulate_metrics(g, lambda: g.last[0], g.last[1], training=True)
 
     @remote_function()
     def clip_grad_norm(

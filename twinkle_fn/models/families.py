@@ -594,6 +594,62 @@ _ROWS = (
         attention_gate=True,
     ),
     Family(
+        name="qwen3_5_moe_text",
+        # qwen3_5_text's layers (Gated DeltaNet between full attention layers) with an MoE block
+        # in every layer: routed experts (whole under tp, split over ep) beside a shared expert
+        # that splits like a dense MLP; its sigmoid gate ([1, hidden]) stays whole.
+        tp_plan={
+            **_ATTENTION,
+            "mlp.shared_expert.gate_proj": COLWISE,
+            "mlp.shared_expert.up_proj": COLWISE,
+            "mlp.shared_expert.down_proj": ROWWISE,
+        },
+        tp_whole=(
+            "linear_attn.in_proj_qkv",
+            "linear_attn.in_proj_z",
+            "linear_attn.in_proj_b",
+            "linear_attn.in_proj_a",
+            "linear_attn.out_proj",
+        ),
+        qkv_bias="attention_bias",
+        o_bias="attention_bias",
+        mlp_bias=False,
+        qk_norm=True,
+        moe=Moe(
+            layers=every_layer,
+            router="mlp.gate",
+            experts="mlp.experts",
+            expert_linears=("gate_proj", "up_proj", "down_proj"),
+            num_experts="num_experts",
+            top_k="num_experts_per_tok",
+            ffn="moe_intermediate_size",
+            # its router always renormalises the top-k weights (no norm_topk_prob field)
+            renormalize=True,
+            shared=SharedExpert(
+                mlp="mlp.shared_expert",
+                linears=("gate_proj", "up_proj", "down_proj"),
+                ffn="shared_expert_intermediate_size",
+                gate="mlp.shared_expert_gate",
+            ),
+        ),
+        mask_mapping=True,
+        sliding_window=None,
+        rope="rotate_half",
+        # a DeltaNet layer needs the whole sequence; the routed experts' output is not a
+        # rowwise linear's
+        sequence_parallel=False,
+        megatron=(
+            "twinkle's megatron layer spec builds Gated DeltaNet layers (qwen3_5_text) with a "
+            "dense MLP only: an MoE block with a gated shared expert after a DeltaNet is not "
+            "built, nor bridged, yet"
+        ),
+        packed_rows=(
+            "the Gated DeltaNet layers' recurrence and causal convolution (transformers' torch "
+            "code, and fla's kernels as transformers calls them) do not restart at the packed "
+            "samples' boundaries, so samples would read each other"
+        ),
+    ),
+    Family(
         name="gemma3_text",
         tp_plan={**_ATTENTION, **_MLP},
         qkv_bias="attention_bias",

@@ -17,6 +17,16 @@ that group only, while dense parameters stay data-parallel over every data rank 
 An expert's gradient is the sum over the tokens its ep group sent it (the all-to-all's backward)
 summed over its edp group: every data rank's tokens, once, as the core's token normalisation
 expects.
+
+LoRA on the experts (peft's ``ParamWrapper`` per expert tensor, ``target_parameters``): the
+adapter factors of every expert stay whole on each ep rank and are sharded by FSDP2 over every
+data rank like a dense parameter, because peft's ``lora_B`` ``[out, r * experts]`` interleaves
+the experts (rank-major) and cannot be cut into whole experts by one dim-0 split. Each rank adds
+the update of its own experts only, ``W_e + scaling * B_e @ A_e``, to its local expert tensors
+inside the dispatch (`_adapted_experts_forward`), so a factor's gradient is nonzero only in the
+rows of the rank's experts and FSDP2's sum over the data ranks adds every expert's tokens once:
+the same gradient as one process. Saved adapters and merged exports read the whole factors, as
+without ep.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Any
 
 import torch
 import transformers
+from peft.tuners.lora import ParamWrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from transformers import PretrainedConfig
 
@@ -37,6 +48,8 @@ from twinkle_fn.sharding import ShardSpec
 DISPATCH = "ep_dispatch_experts"
 PARAM_SHARD = "grouped_gemm"
 _LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.\*\.(?P<sub>.+)$")
+# peft's wrapper levels in a parameter name (``mlp.experts.base_layer.base_layer.gate_up_proj``)
+_BASE_LAYER = ".base_layer"
 
 
 def _transformers_ep() -> Callable[..., Any]:
@@ -113,12 +126,14 @@ def expert_plan(config: PretrainedConfig) -> dict[str, str]:
 
 
 def expert_spec(name: str, config: PretrainedConfig) -> tuple[ShardSpec, ...] | None:
-    """The sharding of parameter `name` (a module name, peft prefixes allowed) under ep: an
-    expert tensor splits dim 0 over ``ep`` (whole experts), then FSDP2 splits the local tensor
-    over ``edp``; None for a parameter outside the experts."""
+    """The sharding of parameter `name` (a module name, peft prefixes and ``base_layer`` levels
+    allowed) under ep: an expert tensor splits dim 0 over ``ep`` (whole experts), then FSDP2
+    splits the local tensor over ``edp``; None for a parameter outside the experts (LoRA factors
+    of the experts included: they are data-sharded like dense parameters)."""
     tensors = [sub for sub, style in expert_plan(config).items() if style == PARAM_SHARD]
+    plain = name.replace(_BASE_LAYER, "")
     for sub in tensors:
-        if re.search(rf"(?:^|\.)layers\.\d+\.{re.escape(sub)}$", name):
+        if re.search(rf"(?:^|\.)layers\.\d+\.{re.escape(sub)}$", plain):
             return (ShardSpec(0, "ep"), ShardSpec(0, "edp"))
     return None
 
@@ -134,29 +149,92 @@ def shard_experts(
     layers: torch.nn.ModuleList, config: PretrainedConfig, expert_dm: DeviceMesh, tp_dm: DeviceMesh
 ) -> list[torch.nn.Module]:
     """Split every MoE layer's experts over ``expert_dm["ep"]`` with all-to-all dispatch
-    (transformers' ``apply_expert_parallelism``); returns the experts modules (for FSDP2 over
-    ``edp``). `tp_dm` is the (size-1) group of ranks sharing a batch.
+    (transformers' ``apply_expert_parallelism``); returns the experts modules holding the expert
+    tensors (for FSDP2 over ``edp``). `tp_dm` is the (size-1) group of ranks sharing a batch.
 
-    Raises ``ValueError`` when an experts module holds parameters besides its expert tensors
-    (e.g. LoRA factors, which the dispatch would not split).
+    Experts that peft wrapped with LoRA (``ParamWrapper``) are split at their base module; the
+    wrappers' factors stay whole (see the module docstring). Raises ``ValueError`` when an
+    experts module holds parameters besides its expert tensors and peft LoRA factors of them.
     """
     plan = expert_plan(config)
     dispatched = [sub for sub, style in plan.items() if style == DISPATCH]
+    ep_rank = expert_dm["ep"].get_local_rank()
     out = []
     for layer in layers:
         names = {n for n, _ in layer.named_modules()}
-        params = {n for n, _ in layer.named_parameters()}
         found = [sub for sub in dispatched if sub in names]
         if not found:
             continue  # a dense layer (mlp_only_layers)
+        local = {}
         for sub in found:
-            extra = sorted(n for n in params if n.startswith(f"{sub}.") and n not in plan)
+            wrappers, base_path = _lora_wrappers(layer, sub)
+            base = layer.get_submodule(base_path)
+            extra = sorted(n for n, _ in base.named_parameters() if f"{sub}.{n}" not in plan)
             if extra:
                 raise ValueError(
-                    f"mesh ep > 1 splits the expert tensors only, but the experts hold {extra[:3]}; "
-                    "train without adapters on the experts, or use ep=1"
+                    f"mesh ep > 1 splits the expert tensors (and peft LoRA on them) only, but "
+                    f"the experts hold {extra[:3]}; train without other parameters on the "
+                    "experts, or use ep=1"
                 )
-        local = {sub: style for sub, style in plan.items() if sub in names or sub in params}
+            for tensor, style in plan.items():
+                if tensor.startswith(f"{sub}."):
+                    local[f"{base_path}{tensor[len(sub) :]}"] = style
+            local[base_path] = plan[sub]
+            if wrappers:
+                _adapt_locally(base, wrappers, ep_rank)
+            out.append(base)
+        # tensors first: their split sets the local expert count the dispatch reads
+        local = dict(sorted(local.items(), key=lambda kv: kv[1] == DISPATCH))
         _transformers_ep()(layer, expert_dm["ep"], tp_dm, local)
-        out.extend(layer.get_submodule(sub) for sub in found)
     return out
+
+
+def _lora_wrappers(layer: torch.nn.Module, sub: str) -> tuple[list[ParamWrapper], str]:
+    """The peft ``ParamWrapper``s nested at `sub` of `layer` (outermost first) and the path of
+    the experts module they wrap (`sub` itself without LoRA)."""
+    wrappers, path = [], sub
+    module = layer.get_submodule(sub)
+    while isinstance(module, ParamWrapper):
+        wrappers.append(module)
+        module, path = module.base_layer, f"{path}{_BASE_LAYER}"
+    return wrappers, path
+
+
+def _adapt_locally(experts: torch.nn.Module, wrappers: list[ParamWrapper], ep_rank: int) -> None:
+    """Route the LoRA update of `wrappers` into `experts` for this rank's experts only: the
+    wrappers' own forward (peft's parametrization of the whole expert tensor) becomes a plain
+    call of their base, and `experts`' forward (which the dispatch calls with the local expert
+    tensors) adds each active adapter's ``scaling * B_e @ A_e`` for the local experts first."""
+    for wrapper in wrappers:
+        wrapper.forward = wrapper.base_layer.__call__
+    experts.forward = _adapted_experts_forward(experts, experts.forward, wrappers, ep_rank)
+
+
+def _adapted_experts_forward(
+    experts: torch.nn.Module,
+    forward: Callable[..., torch.Tensor],
+    wrappers: list[ParamWrapper],
+    ep_rank: int,
+) -> Callable[..., torch.Tensor]:
+    def adapted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        local = experts.num_experts  # the dispatch has split the tensors by now
+        rows = slice(ep_rank * local, (ep_rank + 1) * local)
+        originals = {}
+        for wrapper in wrappers:
+            adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+            if wrapper.disable_adapters or wrapper.merged or not adapters:
+                continue
+            name = wrapper.parameter_name
+            weight = experts._parameters[name]  # [local experts, ., .], a local tensor here
+            for adapter in adapters:
+                # peft's factors of every expert: lhs [experts, ., r], rhs [experts, r, .]
+                lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
+                weight = torch.baddbmm(weight, lhs[rows], rhs[rows], alpha=scaling)
+            originals[name] = experts._parameters[name]
+            experts._parameters[name] = weight
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            experts._parameters.update(originals)
+
+    return adapted

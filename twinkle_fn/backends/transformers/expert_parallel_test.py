@@ -1,20 +1,23 @@
 """Expert parallelism on the transformers backend: qwen3_moe on two real gloo ranks (ep2 with dp2
 and with fsdp2) trains like one process, its shards are what the specs predict, and its
 checkpoint and weight export are one process's; qwen2_moe and mixtral train like one process on
-fsdp2xep2 too; meshes and families it does not run are refused before compute."""
+fsdp2xep2 too, and so does LoRA on qwen3_moe's experts (its adapter loads in peft); meshes and
+families it does not run are refused before compute."""
 
 import sys
 
 import pytest
 import torch
 import transformers
+from peft import PeftModel
 
 import twinkle_fn as tf
 from twinkle_fn.backends.transformers.expert_parallel import check_expert_parallel, expert_spec
 from twinkle_fn.backends.transformers.plans import local_specs, param_specs
 from twinkle_fn.backends.transformers.sharding import shard_params, unshard_params
-from twinkle_fn.data import pack
+from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.distributed import rank
+from twinkle_fn.export_test import hf_logps
 from twinkle_fn.sharding import ShardSpec
 from twinkle_fn.testing import random_features, tiny_config
 from twinkle_fn.testing_dist import spawn
@@ -22,9 +25,13 @@ from twinkle_fn.testing_dist import spawn
 STEPS = 2
 MESHES = {"dp2xep2": {"dp": 2, "ep": 2}, "fsdp2xep2": {"fsdp": 2, "ep": 2}}
 PARAM_ATOL = 2e-5
+# Expert LoRA factors: an expert's rows see a token or two, so some gradients sit near Adam's
+# eps (1e-8), where rounding moves the update most (observed 2.4e-5 on a lora_B element).
+LORA_PARAM_ATOL = 1e-4
 # The same code on the other MoE families' layouts: a shared expert (qwen2_moe), Mixtral's.
 OTHER_FAMILIES = ("qwen2_moe", "mixtral")
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
+LORA = {"r": 2, "lora_alpha": 4, "target_modules": "all-linear", "init_lora_weights": False}
 
 
 def _state(mesh, family="qwen3_moe"):
@@ -34,9 +41,19 @@ def _state(mesh, family="qwen3_moe"):
     return tf.init(model, tx, mesh), full
 
 
-def _train(mesh, family="qwen3_moe"):
+def _lora_state(mesh, family="qwen3_moe"):
+    """`family` with upstream's EP cookbook adapter: ``all-linear`` (attention and both fused
+    expert tensors, peft's ``ParamWrapper``), random B so the experts' update is nonzero."""
+    model = tf.models.from_hf_config(tiny_config(family), seed=0, device="cpu")
+    torch.manual_seed(1)
+    model = tf.lora.add_lora(model, LORA)
+    tx = tf.optim.chain(tf.optim.clip_by_global_norm(1.0), tf.optim.adamw(1e-2))
+    return tf.init(model, tx, mesh), None
+
+
+def _train(mesh, family="qwen3_moe", make_state=_state):
     """STEPS AdamW steps, each rank on its slice of each global batch; the losses and the state."""
-    state, full = _state(mesh, family)
+    state, full = make_state(mesh, family)
     losses = []
     for i in range(STEPS):
         feats = random_features(8, seed=100 + i)
@@ -52,10 +69,11 @@ def _exported(state):
     return [kv for bucket in stream for kv in bucket]
 
 
-def _on_two_ranks(checkpoint_dir):
+def _on_two_ranks(checkpoint_dir, adapter_dir):
     """Every case on one spawn: per mesh the losses, the unsharded parameters, the parameters
     whose initial local shard differs from `shard_params`' prediction, and the export; the dp2xep2
-    state saved to `checkpoint_dir`."""
+    state saved to `checkpoint_dir`; expert LoRA trained on fsdp2xep2, its adapter saved to
+    `adapter_dir`."""
     out = {}
     for name, sizes in MESHES.items():
         mesh = tf.Mesh(**sizes)
@@ -85,43 +103,46 @@ def _on_two_ranks(checkpoint_dir):
         tf.init(dense, tf.optim.adamw(1e-2), tf.Mesh(dp=2, ep=2))
     except ValueError as e:
         out["dense_refusal"] = str(e)
-    # peft's "all-linear" adapts the fused experts too, which the dispatch would not split
-    adapted = tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0, device="cpu")
-    adapted = tf.lora.add_lora(adapted, {"r": 2, "target_modules": "all-linear"})
-    try:
-        tf.init(adapted, tf.optim.adamw(1e-2), tf.Mesh(dp=2, ep=2))
-    except ValueError as e:
-        out["lora_refusal"] = str(e)
+    # peft's "all-linear" adapts the fused experts too: their factors stay whole on each rank
+    losses, state, _ = _train(tf.Mesh(fsdp=2, ep=2), make_state=_lora_state)
+    tf.lora.save_adapter(state, adapter_dir)
+    out["lora"] = {"losses": losses, "params": tf.unshard(state)}
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("ep") / "ckpt"
+    adapter_dir = checkpoint_dir.parent / "adapter"
     losses, state, _ = _train(tf.Mesh())
     reference = {"losses": losses, "params": tf.unshard(state), "export": _exported(state)}
     for family in OTHER_FAMILIES:
         losses, state, _ = _train(tf.Mesh(), family)
         reference[family] = {"losses": losses, "params": tf.unshard(state)}
-    two = spawn(_on_two_ranks, 2, str(checkpoint_dir), timeout_s=300)
+    losses, state, _ = _train(tf.Mesh(), make_state=_lora_state)
+    reference["lora"] = {"losses": losses, "params": tf.unshard(state)}
+    reference["lora_logps"] = tf.token_logps(state, pad_collate(random_features(4, seed=7), 0))
+    two = spawn(_on_two_ranks, 2, str(checkpoint_dir), str(adapter_dir), timeout_s=300)
     return reference, two, checkpoint_dir
 
 
-@pytest.mark.parametrize("name", [*MESHES, *OTHER_FAMILIES])
+@pytest.mark.parametrize("name", [*MESHES, *OTHER_FAMILIES, "lora"])
 def test_ep_trains_like_one_process(name, runs):
     """float32 (transformers' grouped-GEMM experts have no float64 kernel on CPU): the ranks
     run each (token, expert) row through the same expert as one process, but apply the routing
     weights after the all-to-all and sum token losses in another order, so values differ in
     their last bits: losses to 1e-6 relative; parameters after 2 AdamW steps to `PARAM_ATOL`
     absolute (Adam's first steps move an element by ~lr = 1e-2 whatever its gradient's size,
-    so a near-zero gradient that differs by rounding moves it by up to a few 1e-6)."""
+    so a near-zero gradient that differs by rounding moves it by up to a few 1e-6; expert LoRA
+    to `LORA_PARAM_ATOL`)."""
     reference, two, _ = runs
     ref = reference.get(name, reference)
+    atol = LORA_PARAM_ATOL if name == "lora" else PARAM_ATOL
     for out in (r[name] for r in two):
         assert out["losses"] == pytest.approx(ref["losses"], rel=1e-6)
         assert out["params"].keys() == ref["params"].keys()
         worst = {n: (p - ref["params"][n]).abs().max().item() for n, p in out["params"].items()}
-        assert max(worst.values()) <= PARAM_ATOL, max(worst, key=worst.get)
+        assert max(worst.values()) <= atol, max(worst, key=worst.get)
         if name in MESHES:
             assert out["mismatched"] == []
             assert out["local_experts"] == 2  # 4 experts over ep=2
@@ -132,9 +153,24 @@ def test_tf_init_refuses_ep_for_a_dense_family(runs):
     assert all("a qwen2 model has none" in r.get("dense_refusal", "") for r in two)
 
 
-def test_tf_init_refuses_ep_with_adapters_on_the_experts(runs):
-    _, two, _ = runs
-    assert all("train without adapters on the experts" in r.get("lora_refusal", "") for r in two)
+def test_expert_lora_under_ep_trains_the_experts_and_saves_a_peft_adapter(runs):
+    """``lora`` above: the expert factors (peft's ParamWrapper, whole on each ep rank) train
+    like one process's; here, they moved, and the adapter saved from the two ranks loads in
+    peft onto the HF model with one process's log-probabilities (float32: 1e-5 absolute, the
+    parameters' agreement carried through two layers)."""
+    reference, two, checkpoint_dir = runs
+    params = two[0]["lora"]["params"]
+    experts = [n for n in params if ".mlp.experts." in n and ".lora_" in n]
+    assert len(experts) == 8  # A and B of gate_up_proj and down_proj, two layers
+    model = tf.lora.add_lora(
+        tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0, device="cpu"), LORA
+    )
+    initial = dict(model.module.named_parameters())
+    assert all(not torch.equal(params[n], initial[n]) for n in experts)
+    hf = tf.models.from_hf_config(tiny_config("qwen3_moe"), seed=0, device="cpu").module
+    peft_model = PeftModel.from_pretrained(hf, checkpoint_dir.parent / "adapter").eval()
+    got = hf_logps(peft_model, pad_collate(random_features(4, seed=7), 0))
+    torch.testing.assert_close(got, reference["lora_logps"]["logps"], rtol=0, atol=1e-5)
 
 
 def test_ep_checkpoint_loads_on_one_process(runs):
