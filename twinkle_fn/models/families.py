@@ -643,6 +643,11 @@ _ROWS = (
             "dense MLP only: an MoE block with a gated shared expert after a DeltaNet is not "
             "built, nor bridged, yet"
         ),
+        linear_attention=LinearAttention(
+            layers=typed_layers("linear_attention"), module="linear_attn"
+        ),
+        norm_offset=True,
+        attention_gate=True,
         packed_rows=(
             "the Gated DeltaNet layers' recurrence and causal convolution (transformers' torch "
             "code, and fla's kernels as transformers calls them) do not restart at the packed "
