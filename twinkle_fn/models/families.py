@@ -51,12 +51,13 @@ What the later rows taught (GLM-4 MoE, DeepSeek-V3, Qwen3.5):
 - peft rewrites any ``gate/up/down_proj`` target of an MoE model whose experts transformers fuses
   to the fused experts, so the megatron backend's ``"all-linear"`` adapts the attention only
   where the first dense MLPs share their names with the experts.
-- Multi-latent attention (DeepSeek-V3) needs bridge rules for ``q_a_proj``, ``q_a_layernorm``,
-  ``q_b_proj`` (or ``q_proj`` without ``q_lora_rank``), ``kv_a_proj_with_mqa``,
-  ``kv_a_layernorm`` and ``kv_b_proj``, megatron's ``MLATransformerConfig`` and an
-  ``MLASelfAttention`` layer spec, and LoRA on those linears: not built yet, so the row sets
-  `megatron` to that reason. Its rotary key is shared by every head, so a head-split tp plan
-  leaves its gradient partial: the row sets `tensor_parallel`.
+- Multi-latent attention (DeepSeek-V3, `latent_attention`) is its own set of bridge rules
+  (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_proj`` without ``q_lora_rank``,
+  ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), megatron's
+  ``MLATransformerConfig`` and ``MLASelfAttention`` in the layer spec, and LoRA on those
+  linears (``twinkle_fn/backends/megatron/mla.py``). Its rotary key is shared by every head,
+  so a head-split tp plan leaves its gradient partial: the transformers backend refuses tp
+  (the row sets `tensor_parallel`), megatron's MLA sums it over the tp ranks.
 - A hybrid family (Qwen3.5's Gated DeltaNet) needs megatron-core's ``HybridModel`` (see
   ``twinkle_fn/backends/megatron/model.py``) and, for packed rows, a recurrence that restarts at
   ``cu_seqlens``: the row sets `megatron` and `packed_rows` to the reasons.
@@ -186,8 +187,12 @@ class Family:
     multi-latent attention's down projections, a linear-attention layer's projections).
     `packed_rows`: None when the transformers backend trains packed rows (``cu_seqlens``), else
     why it cannot (it refuses them with the reason). `tensor_parallel`: None when the
-    transformers backend splits the family over tp > 1 by `tp_plan`, else why it cannot. Raises ``ValueError`` for a style, rope
-    kind or bias flag outside those listed.
+    transformers backend splits the family over tp > 1 by `tp_plan`, else why it cannot.
+    `latent_attention`: the attention is multi-latent (DeepSeek-V2/V3: ``q_a_proj`` /
+    ``q_a_layernorm`` / ``q_b_proj``, or ``q_proj`` without ``q_lora_rank``, then
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; head dims from
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), not q/k/v projections.
+    Raises ``ValueError`` for a style, rope kind or bias flag outside those listed.
     """
 
     name: str
@@ -205,6 +210,7 @@ class Family:
     tp_whole: tuple[str, ...] = ()
     packed_rows: str | None = None
     tensor_parallel: str | None = None
+    latent_attention: bool = False
 
     def __post_init__(self) -> None:
         bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
@@ -517,17 +523,13 @@ _ROWS = (
         # rope_interleave (default True): neighbouring channels of the rotary part are pairs
         rope="interleaved",
         sequence_parallel=False,
+        latent_attention=True,
         tensor_parallel=(
             "multi-latent attention's rotary key (kv_a_proj_with_mqa's last qk_rope_head_dim "
             "outputs) is shared by every head, so under the head-split plan each tp rank's "
             "gradient of it holds its own heads' part only and DTensor does not sum them"
         ),
-        megatron=(
-            "multi-latent attention is not built by twinkle's megatron layer spec yet "
-            "(megatron-core's MLASelfAttention needs its own bridge rules for q_a_proj, "
-            "q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj, and "
-            "LoRA on those linears)"
-        ),
+        megatron=None,
     ),
     Family(
         name="qwen3_5_text",

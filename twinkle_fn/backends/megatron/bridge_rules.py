@@ -123,6 +123,29 @@ VALUE_HEAD = Rule(("score.weight",), "output_layer.weight", "copy", None, stage=
 VALUE_BIAS = Rule(("score.bias",), "output_layer.bias", "copy", None, stage="last")
 HEADS = ("lm", "value")
 
+# Multi-latent attention (`Family.latent_attention`; megatron-core's ``MLASelfAttention``).
+# The up projections give each head its rows (head-major, as in HF), so tp splits them by
+# heads; megatron builds the down projections as column-parallel linears too, split by rows
+# (their outputs are gathered before use, see `twinkle_fn.backends.megatron.mla`).
+_A, _MA = _L + "self_attn.", _M + "self_attention."
+MLA_Q_DOWN = Rule((_A + "q_a_proj.weight",), _MA + "linear_q_down_proj.weight", "copy", 0)
+MLA_Q_NORM = Rule((_A + "q_a_layernorm.weight",), _MA + "q_layernorm.weight", "copy", None)
+MLA_Q_UP = Rule((_A + "q_b_proj.weight",), _MA + "linear_q_up_proj.weight", "copy", 0)
+MLA_Q = Rule((_A + "q_proj.weight",), _MA + "linear_q_proj.weight", "copy", 0)
+MLA_KV_DOWN = Rule(
+    (_A + "kv_a_proj_with_mqa.weight",), _MA + "linear_kv_down_proj.weight", "copy", 0
+)
+MLA_KV_NORM = Rule((_A + "kv_a_layernorm.weight",), _MA + "kv_layernorm.weight", "copy", None)
+MLA_KV_UP = Rule((_A + "kv_b_proj.weight",), _MA + "linear_kv_up_proj.weight", "copy", 0)
+
+
+def mla_rules(hf_config: PretrainedConfig) -> tuple[Rule, ...]:
+    """The rules of a multi-latent attention's projections and norms but ``o_proj``, in HF
+    order: the query's down projection, norm and up projection (``q_proj`` alone when
+    ``q_lora_rank`` is None), then the keys' and values'."""
+    query = (MLA_Q_DOWN, MLA_Q_NORM, MLA_Q_UP) if hf_config.q_lora_rank is not None else (MLA_Q,)
+    return (*query, MLA_KV_DOWN, MLA_KV_NORM, MLA_KV_UP)
+
 
 def value_bias(hf_config: PretrainedConfig) -> bool:
     """Whether a critic of `hf_config` has a bias on its value head (transformers'
@@ -195,9 +218,13 @@ def rules_for(hf_config: PretrainedConfig, head: str = "lm") -> list[Rule]:
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; use one of {', '.join(HEADS)}")
     fam = megatron_family(hf_config)
-    rules = [EMBEDDING, INPUT_NORM, QKV]
-    rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
-    rules += QK_NORM if fam.has_qk_norm(hf_config) else ()
+    rules = [EMBEDDING, INPUT_NORM]
+    if fam.latent_attention:
+        rules += mla_rules(hf_config)
+    else:
+        rules += [QKV]
+        rules += [QKV_BIAS] if fam.has_bias("qkv", hf_config) else []
+        rules += QK_NORM if fam.has_qk_norm(hf_config) else ()
     rules += [O_PROJ]
     rules += [O_BIAS] if fam.has_bias("o", hf_config) else []
     rules += [POST_ATTN_NORM, *MLP]
@@ -232,6 +259,8 @@ class _Model:
     shared_ffn: int
     experts: int
     moe: tuple[bool, ...]
+    # rows of other tp-split tensors, by the config field(s) that size them
+    split_rows: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -245,10 +274,13 @@ class _Layout:
 
 def _model(hf_config: PretrainedConfig) -> _Model:
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    fam = megatron_family(hf_config)
+    # multi-latent attention expands its keys and values to every head
+    kv_heads = None if fam.latent_attention else getattr(hf_config, "num_key_value_heads", None)
+    kv_heads = kv_heads or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = moe_layers(hf_config)
-    layout = megatron_family(hf_config).moe
+    layout = fam.moe
     return _Model(
         heads=heads,
         kv_heads=kv_heads,
@@ -260,7 +292,16 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         shared_ffn=layout.shared.size(hf_config) if any(moe) and layout.shared else 0,
         experts=getattr(hf_config, layout.num_experts) if any(moe) else 0,
         moe=moe,
+        split_rows=mla_split_rows(hf_config) if fam.latent_attention else (),
     )
+
+
+def mla_split_rows(hf_config: PretrainedConfig) -> tuple[tuple[str, int], ...]:
+    """The rows of multi-latent attention's down projections, which tp splits, by the config
+    fields that size them."""
+    kv = ("kv_lora_rank + qk_rope_head_dim", hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
+    q_rank = hf_config.q_lora_rank
+    return (kv,) if q_rank is None else (("q_lora_rank", q_rank), kv)
 
 
 def _positive(**values: int) -> None:
@@ -298,6 +339,12 @@ def _check_layout(model: _Model, lay: _Layout) -> None:
             f"that needs num_key_value_heads to divide tp_size and tp_size to divide "
             f"num_attention_heads={heads} and the fused qkv rows. Use a smaller tp_size."
         )
+    for field, rows in model.split_rows:
+        if rows % tp:
+            raise ValueError(
+                f"tp_size={tp} does not divide {field}={rows}, the rows of a projection "
+                "megatron-core splits over tensor parallelism; use a tp_size that does"
+            )
     if not all(model.moe) and model.ffn % tp:
         raise ValueError(
             f"tp_size={tp} does not divide intermediate_size={model.ffn}; use a tp_size that does"

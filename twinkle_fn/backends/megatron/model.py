@@ -6,9 +6,11 @@ included) is built on ``GPTModel`` still: it is what the layer spec, the bridge'
 names, LoRA, dist checkpoints and the CPU compatibility layer are written and tested against,
 and it builds these families exactly; ``HybridModel`` would rename every parameter (its layer
 pattern places attention, MLP and MoE as separate layers), so the bridge, LoRA and checkpoints
-would change with it for no gain to these families. New attention-only families (DeepSeek-V3's
-multi-latent attention, when built) go on ``GPTModel`` too: its layer spec takes
-``MLASelfAttention``. Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers sit between attention
+would change with it for no gain to these families. DeepSeek-V3 is on ``GPTModel`` too: its
+layers are attention-only (multi-latent attention, then a dense MLP or an MoE block), which is
+``GPTModel``'s layer exactly with ``MLASelfAttention`` as its attention
+(`twinkle_fn.backends.megatron.mla`; ``GPTModel`` leaves the rotary embedding to it), so its
+parameter names, LoRA and checkpoints are those of every other family. Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers sit between attention
 layers, are what ``HybridModel`` is for; that family is refused here (its row's `megatron`
 reason) until it is built, and building it is the time to move every family to ``HybridModel``
 at once, so that one model class serves the backend.
@@ -150,7 +152,9 @@ def build_gpt_model(
     _check_mesh_matches_megatron(mesh)
     config = transformer_config(hf_config, mesh, **overrides)
     theta, rope_type = rope_settings(hf_config)
-    if rope_type not in _STATIC_ROPE_TYPES:
+    # multi-latent attention rotates in its own attention module (`mla.mla_fields`)
+    latent = config.multi_latent_attention
+    if rope_type not in _STATIC_ROPE_TYPES and not latent:
         raise ValueError(
             f"rope_type={rope_type!r} is not supported; use one of {', '.join(_STATIC_ROPE_TYPES)}"
         )
@@ -168,7 +172,7 @@ def build_gpt_model(
         rotary_base=theta,
         rotary_percent=rotary_fraction(hf_config),
     )
-    if rope_type != "default":
+    if rope_type != "default" and not latent:
         inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         model.rotary_pos_emb.inv_freq = inv_freq.float()
     if head == "value" and last:

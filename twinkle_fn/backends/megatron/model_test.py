@@ -40,6 +40,7 @@ CASES = {
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "mistral-window": ("mistral", {"sliding_window": 4}),
     "qwen3_moe-dense0-normed": ("qwen3_moe", {"mlp_only_layers": [0], "norm_topk_prob": True}),
+    "deepseek_v3-q_proj": ("deepseek_v3", {"q_lora_rank": None}),
 }
 SEQ = 12
 # fp32 logits of the same weights through different kernels (megatron's linears and MoE
@@ -59,7 +60,15 @@ def _expected_names(case: str) -> set[str]:
     for i in range(cfg.num_hidden_layers):
         p = f"decoder.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"}
-        names |= {p + f"self_attention.linear_{n}.weight" for n in ("qkv", "proj")}
+        if families.family(family).latent_attention:
+            attention = ["q_down_proj", "q_up_proj"] if cfg.q_lora_rank else ["q_proj"]
+            attention += ["kv_down_proj", "kv_up_proj", "proj"]
+            names |= {p + f"self_attention.linear_{n}.weight" for n in attention}
+            names.add(p + "self_attention.kv_layernorm.weight")
+            if cfg.q_lora_rank:
+                names.add(p + "self_attention.q_layernorm.weight")
+        else:
+            names |= {p + f"self_attention.linear_{n}.weight" for n in ("qkv", "proj")}
         if family in ("qwen2", "qwen2_moe") or getattr(cfg, "attention_bias", False):
             names.add(p + "self_attention.linear_qkv.bias")
         if getattr(cfg, "mlp_bias", False):
@@ -70,12 +79,13 @@ def _expected_names(case: str) -> set[str]:
                 p + "self_attention.q_layernorm.weight",
                 p + "self_attention.k_layernorm.weight",
             }
-        if family in ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe") and i not in dense_layers:
+        moe_families = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+        if family in moe_families and i not in dense_layers:
             names.add(p + "mlp.router.weight")
             for j in range(getattr(cfg, "num_experts", None) or cfg.num_local_experts):
                 e = f"{p}mlp.experts.local_experts.{j}."
                 names |= {e + "linear_fc1.weight", e + "linear_fc2.weight"}
-            if family in ("qwen2_moe", "glm4_moe"):
+            if family in ("qwen2_moe", "glm4_moe", "deepseek_v3"):
                 shared = p + "mlp.shared_experts."
                 names |= {shared + n for n in ("linear_fc1.weight", "linear_fc2.weight")}
             if family == "qwen2_moe":

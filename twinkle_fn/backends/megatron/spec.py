@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
+from twinkle_fn.backends.megatron import mla
 from twinkle_fn.backends.megatron.attention import SDPAAttention
 from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP
 from twinkle_fn.backends.megatron.packed_rotary import rotary_freqs
@@ -195,7 +196,8 @@ def layer_spec(
     spec's on both (experts: with ``moe_grouped_gemm=False``). `moe`: an MoE layer (default:
     iff the config has experts). `grouped_experts`: the SDPA spec's experts run as grouped
     GEMMs (`GroupedSequentialMLP`), else in megatron's loop (``SequentialMLP``); same
-    parameters either way. q/k RMSNorms when ``config.qk_layernorm``. Raises ``ValueError``
+    parameters either way. q/k RMSNorms when ``config.qk_layernorm``; multi-latent attention
+    (`twinkle_fn.backends.megatron.mla`) when ``config.multi_latent_attention``. Raises ``ValueError``
     for ``use_te=True`` without TransformerEngine.
     """
     backend = _backend(use_te, grouped_experts)
@@ -216,6 +218,8 @@ def layer_spec(
             k_layernorm=qk_norm,
         ),
     )
+    if config.multi_latent_attention:
+        attention = mla.attention_spec(backend, backend.layer_norm(rms_norm=True, for_qk=True))
     if is_moe:
         mlp = get_moe_module_spec_for_backend(
             backend=backend,
