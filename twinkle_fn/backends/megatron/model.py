@@ -6,12 +6,12 @@ included) is built on ``GPTModel`` still: it is what the layer spec, the bridge'
 names, LoRA, dist checkpoints and the CPU compatibility layer are written and tested against,
 and it builds these families exactly; ``HybridModel`` would rename every parameter (its layer
 pattern places attention, MLP and MoE as separate layers), so the bridge, LoRA and checkpoints
-would change with it for no gain to these families. DeepSeek-V3 is on ``GPTModel`` too: its
-layers are attention-only (multi-latent attention, then a dense MLP or an MoE block), which is
-``GPTModel``'s layer exactly with ``MLASelfAttention`` as its attention
-(`twinkle_fn.backends.megatron.mla`; ``GPTModel`` leaves the rotary embedding to it), so its
-parameter names, LoRA and checkpoints are those of every other family. Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers sit between attention
-layers, are what ``HybridModel`` is for; that family is refused here (its row's `megatron`
+would change with it for no gain to these families. DeepSeek-V3 is on ``GPTModel`` too: every
+layer is attention then an MLP (dense, or MoE with shared experts), ``GPTModel``'s layer exactly
+with megatron's ``MLASelfAttention`` as its attention (`twinkle_fn.backends.megatron.mla`;
+``GPTModel`` leaves the rotary embedding to it), so its bridge, LoRA and checkpoints are laid
+out as every other family's. Qwen3.5 / Qwen3-Next, whose Gated DeltaNet layers sit between
+attention layers, are what ``HybridModel`` is for; that family is refused here (its row's `megatron`
 reason) until it is built, and building it is the time to move every family to ``HybridModel``
 at once, so that one model class serves the backend.
 

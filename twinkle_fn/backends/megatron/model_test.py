@@ -161,7 +161,7 @@ def test_logits_match_transformers_on_the_same_weights(megatron_world, case):
     torch.testing.assert_close(logits[..., : cfg.vocab_size], want, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_packed_logits_match_each_sample_alone(megatron_world, case):
     """THD packing (rope restarts per sample, SDPA per sample) == unpacked HF logits."""
     cfg, hf = _hf_model(case)
