@@ -51,13 +51,13 @@ What the later rows taught (GLM-4 MoE, DeepSeek-V3, Qwen3.5):
 - peft rewrites any ``gate/up/down_proj`` target of an MoE model whose experts transformers fuses
   to the fused experts, so the megatron backend's ``"all-linear"`` adapts the attention only
   where the first dense MLPs share their names with the experts.
-- Multi-latent attention (DeepSeek-V3) needs bridge rules for ``q_a_proj``, ``q_a_layernorm``,
-  ``q_b_proj`` (or ``q_proj`` without ``q_lora_rank``), ``kv_a_proj_with_mqa``,
-  ``kv_a_layernorm`` and ``kv_b_proj``, megatron's ``MLATransformerConfig`` and an
-  ``MLASelfAttention`` layer spec, and LoRA on those linears: not built yet, so the row sets
-  `megatron` to that reason. Its rotary key is shared by every head, so a head-split tp plan
-  leaves its gradient partial: the transformers backend sums it over tp
-  (``fsdp.SharedRotaryKey``).
+- Multi-latent attention (DeepSeek-V3, `latent_attention`) is its own set of bridge rules
+  (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj`` or ``q_proj`` without ``q_lora_rank``,
+  ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), megatron's
+  ``MLATransformerConfig`` and ``MLASelfAttention`` in the layer spec, and LoRA on those
+  linears (``twinkle_fn/backends/megatron/mla.py``). Its rotary key is shared by every head,
+  so a head-split tp plan leaves its gradient partial: both backends sum it over the tp ranks
+  (the transformers backend's ``fsdp.SharedRotaryKey``, megatron's ``mla.py``).
 - A hybrid family (Qwen3.5's Gated DeltaNet layers between gated attention layers) states its
   DeltaNet layers (`LinearAttention`), its ``1 + weight`` norms (`norm_offset`) and its gated
   ``q_proj`` (`attention_gate`); megatron builds it on ``GPTModel`` with megatron-core's
@@ -218,6 +218,10 @@ class Family:
     `packed_rows`: None when the transformers backend trains packed rows (``cu_seqlens``), else
     why it cannot (it refuses them with the reason). `tensor_parallel`: None when the
     transformers backend splits the family over tp > 1 by `tp_plan`, else why it cannot.
+    `latent_attention`: the attention is multi-latent (DeepSeek-V2/V3: ``q_a_proj`` /
+    ``q_a_layernorm`` / ``q_b_proj``, or ``q_proj`` without ``q_lora_rank``, then
+    ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; head dims from
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), not q/k/v projections.
     `linear_attention`: the family's Gated DeltaNet layers, None without. `norm_offset`: its
     RMSNorms scale by ``1 + weight`` (weights stored centred on 0; a DeltaNet's gated norm
     excepted). `attention_gate`: ``q_proj`` gives each head its query and then a gate of as
@@ -243,6 +247,7 @@ class Family:
     linear_attention: LinearAttention | None = None
     norm_offset: bool = False
     attention_gate: bool = False
+    latent_attention: bool = False
 
     def __post_init__(self) -> None:
         bad = {sub: style for sub, style in self.tp_plan.items() if style not in TP_STYLES}
@@ -555,12 +560,8 @@ _ROWS = (
         # rope_interleave (default True): neighbouring channels of the rotary part are pairs
         rope="interleaved",
         sequence_parallel=False,
-        megatron=(
-            "multi-latent attention is not built by twinkle's megatron layer spec yet "
-            "(megatron-core's MLASelfAttention needs its own bridge rules for q_a_proj, "
-            "q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj, and "
-            "LoRA on those linears)"
-        ),
+        latent_attention=True,
+        megatron=None,
     ),
     Family(
         name="qwen3_5_text",

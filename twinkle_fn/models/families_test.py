@@ -213,6 +213,15 @@ def test_the_rope_kind_is_the_modeling_code(name):
     assert not getattr(config, "rope_interleave", False)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_latent_attention_is_what_transformers_builds(name):
+    """Multi-latent attention's key/value down projection is in every layer of the rows that
+    say so, and in none of the others'."""
+    layers = _module(tiny_config(name)).model.layers
+    latent = [_has(layer, "self_attn.kv_a_proj_with_mqa") for layer in layers]
+    assert latent == [family(name).latent_attention] * len(layers)
+
+
 def test_rows_refuse_values_no_backend_reads():
     row = family("qwen2")
     with pytest.raises(ValueError, match="tp_plan styles"):

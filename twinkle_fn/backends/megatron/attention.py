@@ -50,7 +50,9 @@ class SDPAAttention(MegatronModule):
 
     Drop-in for ``DotProductAttention`` (same constructor and ``forward`` signature): inputs
     ``query [sq, b, heads, dim]``, ``key``/``value [sk, b, groups, dim]`` (GQA: heads a multiple
-    of groups), output ``[sq, b, heads * dim]``. ``attention_mask`` is megatron's boolean mask
+    of groups), output ``[sq, b, heads * dim]``. Multi-latent attention's values may be
+    narrower than its queries and keys (``k_channels`` / ``v_channels``, as megatron passes
+    them; the shapes come from the tensors): the output is then ``[sq, b, heads * v_dim]``. ``attention_mask`` is megatron's boolean mask
     (True = masked out, broadcastable to ``[b, 1, sq, sk]``), combined with causality and the
     config's sliding window. Packed sequences (``packed_seq_params.qkv_format == 'thd'``) take
     ``[tokens, heads, dim]`` and attend causally within each sample of ``cu_seqlens_q`` (the
@@ -79,6 +81,8 @@ class SDPAAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         self.cp_group: Any = None

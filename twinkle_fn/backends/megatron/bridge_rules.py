@@ -139,6 +139,29 @@ VALUE_HEAD = Rule(("score.weight",), "output_layer.weight", "copy", None, stage=
 VALUE_BIAS = Rule(("score.bias",), "output_layer.bias", "copy", None, stage="last")
 HEADS = ("lm", "value")
 
+# Multi-latent attention (`Family.latent_attention`; megatron-core's ``MLASelfAttention``).
+# The up projections give each head its rows (head-major, as in HF), so tp splits them by
+# heads; megatron builds the down projections as column-parallel linears too, split by rows
+# (their outputs are gathered before use, see `twinkle_fn.backends.megatron.mla`).
+_A, _MA = _L + "self_attn.", _M + "self_attention."
+MLA_Q_DOWN = Rule((_A + "q_a_proj.weight",), _MA + "linear_q_down_proj.weight", "copy", 0)
+MLA_Q_NORM = Rule((_A + "q_a_layernorm.weight",), _MA + "q_layernorm.weight", "copy", None)
+MLA_Q_UP = Rule((_A + "q_b_proj.weight",), _MA + "linear_q_up_proj.weight", "copy", 0)
+MLA_Q = Rule((_A + "q_proj.weight",), _MA + "linear_q_proj.weight", "copy", 0)
+MLA_KV_DOWN = Rule(
+    (_A + "kv_a_proj_with_mqa.weight",), _MA + "linear_kv_down_proj.weight", "copy", 0
+)
+MLA_KV_NORM = Rule((_A + "kv_a_layernorm.weight",), _MA + "kv_layernorm.weight", "copy", None)
+MLA_KV_UP = Rule((_A + "kv_b_proj.weight",), _MA + "linear_kv_up_proj.weight", "copy", 0)
+
+
+def mla_rules(hf_config: PretrainedConfig) -> tuple[Rule, ...]:
+    """The rules of a multi-latent attention's projections and norms but ``o_proj``, in HF
+    order: the query's down projection, norm and up projection (``q_proj`` alone when
+    ``q_lora_rank`` is None), then the keys' and values'."""
+    query = (MLA_Q_DOWN, MLA_Q_NORM, MLA_Q_UP) if hf_config.q_lora_rank is not None else (MLA_Q,)
+    return (*query, MLA_KV_DOWN, MLA_KV_NORM, MLA_KV_UP)
+
 
 def value_bias(hf_config: PretrainedConfig) -> bool:
     """Whether a critic of `hf_config` has a bias on its value head (transformers'
@@ -211,14 +234,17 @@ def gated_delta_net_rules(module: str) -> tuple[Rule, ...]:
 
 
 def attention_rules(hf_config: PretrainedConfig) -> list[Rule]:
-    """The rules of `hf_config`'s attention (q/k/v, their biases, q/k norms, o_proj and its
-    bias), marked as attention layers' when the family also has Gated DeltaNet layers, whose
+    """The rules of `hf_config`'s attention (q/k/v, their biases, q/k norms, or multi-latent
+    attention's linears and norms; o_proj and its bias), marked as attention layers' when the family also has Gated DeltaNet layers, whose
     rules follow (`gated_delta_net_rules`). Raises ``ValueError`` as `megatron_family`."""
     fam = megatron_family(hf_config)
-    qkv = [QKV, *([QKV_BIAS] if fam.has_bias("qkv", hf_config) else [])]
-    if fam.attention_gate:
-        qkv = [dataclasses.replace(rule, transform="gated_qkv") for rule in qkv]
-    rules = [*qkv, *(QK_NORM if fam.has_qk_norm(hf_config) else ()), O_PROJ]
+    if fam.latent_attention:
+        rules = [*mla_rules(hf_config), O_PROJ]
+    else:
+        qkv = [QKV, *([QKV_BIAS] if fam.has_bias("qkv", hf_config) else [])]
+        if fam.attention_gate:
+            qkv = [dataclasses.replace(rule, transform="gated_qkv") for rule in qkv]
+        rules = [*qkv, *(QK_NORM if fam.has_qk_norm(hf_config) else ()), O_PROJ]
     rules += [O_BIAS] if fam.has_bias("o", hf_config) else []
     if fam.linear_attention is None:
         return rules
@@ -306,6 +332,9 @@ class _Model:
             return ((qk, qk, v),)
         return ((qk, qk, v), (v,), (heads,), (heads,))
 
+    # rows of other tp-split tensors, by the config field(s) that size them
+    split_rows: tuple[tuple[str, int], ...] = ()
+
 
 @dataclass(frozen=True)
 class _Layout:
@@ -318,10 +347,12 @@ class _Layout:
 
 def _model(hf_config: PretrainedConfig) -> _Model:
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    fam = megatron_family(hf_config)
+    # multi-latent attention expands its keys and values to every head
+    kv_heads = None if fam.latent_attention else getattr(hf_config, "num_key_value_heads", None)
+    kv_heads = kv_heads or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     moe = moe_layers(hf_config)
-    fam = megatron_family(hf_config)
     layout = fam.moe
     linear = linear_layers(hf_config)
     gdn = (0, 0, 0, 0)
@@ -347,7 +378,16 @@ def _model(hf_config: PretrainedConfig) -> _Model:
         gated=fam.attention_gate,
         linear=linear,
         gdn=gdn,
+        split_rows=mla_split_rows(hf_config) if fam.latent_attention else (),
     )
+
+
+def mla_split_rows(hf_config: PretrainedConfig) -> tuple[tuple[str, int], ...]:
+    """The rows of multi-latent attention's down projections, which tp splits, by the config
+    fields that size them."""
+    kv = ("kv_lora_rank + qk_rope_head_dim", hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
+    q_rank = hf_config.q_lora_rank
+    return (kv,) if q_rank is None else (("q_lora_rank", q_rank), kv)
 
 
 def _positive(**values: int) -> None:
@@ -397,6 +437,12 @@ def _check_layout(model: _Model, lay: _Layout) -> None:
             f"that needs num_key_value_heads to divide tp_size and tp_size to divide "
             f"num_attention_heads={heads} and the fused qkv rows. Use a smaller tp_size."
         )
+    for field, rows in model.split_rows:
+        if rows % tp:
+            raise ValueError(
+                f"tp_size={tp} does not divide {field}={rows}, the rows of a projection "
+                "megatron-core splits over tensor parallelism; use a tp_size that does"
+            )
     if not all(model.moe) and model.ffn % tp:
         raise ValueError(
             f"tp_size={tp} does not divide intermediate_size={model.ffn}; use a tp_size that does"

@@ -39,10 +39,13 @@ CASES = {
     "llama-bias": {"attention_bias": True, "mlp_bias": True},
     "mistral-kv1": {"num_key_value_heads": 1},
     "qwen3_moe-mixed": {"mlp_only_layers": [1]},
+    "deepseek_v3-q_proj": {"q_lora_rank": None},
 }
 
 
-_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+_MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+# routers with an expert bias and ungated shared experts
+_GLM_MOE = ("glm4_moe", "deepseek_v3")
 
 
 def _config(case):
@@ -99,9 +102,34 @@ def _experts(cfg):
     """(experts, one expert's intermediate size) of an MoE config."""
     if cfg.model_type == "mixtral":
         return cfg.num_local_experts, cfg.intermediate_size
-    if cfg.model_type == "glm4_moe":
+    if cfg.model_type in _GLM_MOE:
         return cfg.n_routed_experts, cfg.moe_intermediate_size
     return cfg.num_experts, cfg.moe_intermediate_size
+
+
+def _mla_shapes(cfg, tp, prefix):
+    """Multi-latent attention's shapes on one tp rank: the down projections' rows split
+    (megatron builds them column-parallel), the up projections split by heads."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    q_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    kv_down = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    shapes = {
+        prefix + "linear_kv_down_proj.weight": (kv_down // tp, h),
+        prefix + "kv_layernorm.weight": (cfg.kv_lora_rank,),
+        prefix + "linear_kv_up_proj.weight": (
+            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // tp,
+            cfg.kv_lora_rank,
+        ),
+        prefix + "linear_proj.weight": (h, heads * cfg.v_head_dim // tp),
+    }
+    if cfg.q_lora_rank is None:
+        return {prefix + "linear_q_proj.weight": (heads * q_dim // tp, h), **shapes}
+    return {
+        prefix + "linear_q_down_proj.weight": (cfg.q_lora_rank // tp, h),
+        prefix + "q_layernorm.weight": (cfg.q_lora_rank,),
+        prefix + "linear_q_up_proj.weight": (heads * q_dim // tp, cfg.q_lora_rank),
+        **shapes,
+    }
 
 
 def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
@@ -134,15 +162,19 @@ def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
             shapes[m + "mlp.linear_fc1.weight"] = (2 * f // tp, h)
             shapes[m + "mlp.linear_fc2.weight"] = (h, f // tp)
             continue
-        # Qwen3.5's q_proj holds an output gate
-        gate_rows = heads * hd // tp if cfg.model_type == "qwen3_5_text" else 0
-        shapes[m + "self_attention.linear_qkv.weight"] = (qkv_rows + gate_rows, h)
+        if family(cfg.model_type).latent_attention:
+            shapes.update(_mla_shapes(cfg, tp, m + "self_attention."))
+        else:
+            # Qwen3.5's q_proj holds an output gate
+            gate_rows = heads * hd // tp if cfg.model_type == "qwen3_5_text" else 0
+            shapes[m + "self_attention.linear_qkv.weight"] = (qkv_rows + gate_rows, h)
         if cfg.model_type in ("qwen2", "qwen2_moe"):
             shapes[m + "self_attention.linear_qkv.bias"] = (qkv_rows,)
         if cfg.model_type.startswith("qwen3"):
             shapes[m + "self_attention.q_layernorm.weight"] = (hd,)
             shapes[m + "self_attention.k_layernorm.weight"] = (hd,)
-        shapes[m + "self_attention.linear_proj.weight"] = (h, heads * hd // tp)
+        if not family(cfg.model_type).latent_attention:
+            shapes[m + "self_attention.linear_proj.weight"] = (h, heads * hd // tp)
         # GLM-4 MoE begins with first_k_dense_replace dense layers
         first_moe = getattr(cfg, "first_k_dense_replace", 0)
         if cfg.model_type in _MOE and pp_rank * per + i >= first_moe:
@@ -157,7 +189,7 @@ def _expected_local_shapes(cfg, tp, pp, ep, etp, pp_rank):
                 shapes[x + "linear_fc1.weight"] = (2 * s // tp, h)
                 shapes[x + "linear_fc2.weight"] = (h, s // tp)
                 shapes[x + "gate_weight"] = (1, h)
-            if cfg.model_type == "glm4_moe":  # shared experts, no gate; the router's bias
+            if cfg.model_type in _GLM_MOE:  # shared experts, no gate; the router's bias
                 s, x = cfg.moe_intermediate_size * cfg.n_shared_experts, f"{m}mlp.shared_experts."
                 shapes[x + "linear_fc1.weight"] = (2 * s // tp, h)
                 shapes[x + "linear_fc2.weight"] = (h, s // tp)
@@ -195,9 +227,10 @@ _MEGATRON_SCRIPT = textwrap.dedent(
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     from transformers import AutoModelForCausalLM
     from twinkle_fn.backends.megatron import parallel
+    from twinkle_fn.backends.megatron.attention import SDPAAttention
     from twinkle_fn.backends.megatron.bridge import hf_to_mcore
     from twinkle_fn.backends.megatron.model import build_gpt_model
     from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
@@ -207,12 +240,17 @@ _MEGATRON_SCRIPT = textwrap.dedent(
     request = json.loads(sys.stdin.read())
     shapes = {}
     for case in request["spec"]:
-        config = TransformerConfig(
+        kind = MLATransformerConfig if "q_lora_rank" in case["config"] else TransformerConfig
+        config = kind(
             **case["config"], activation_func=torch.nn.functional.silu, gated_linear_unit=True,
             normalization="RMSNorm", use_cpu_initialization=True,
             moe_token_dispatcher_type="allgather",
         )
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if config.multi_latent_attention:
+            # megatron's local DotProductAttention does not take MLA's k/v channels (0.19)
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = SDPAAttention
         model = GPTModel(
             config, spec, vocab_size=case["vocab_size"], max_sequence_length=64,
             pre_process=case["pre"], post_process=case["post"],
@@ -260,6 +298,19 @@ def _mcore_config(cfg, num_layers, moe_freq):
         add_qkv_bias=cfg.model_type in ("qwen2", "qwen2_moe") or bias,
         qk_layernorm=cfg.model_type.startswith("qwen3"),
     )
+    if family(cfg.model_type).latent_attention:
+        # megatron's local spec builds MLA's latent norms when qk_layernorm is set
+        out.update(
+            multi_latent_attention=True,
+            qk_layernorm=True,
+            num_query_groups=heads,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.qk_nope_head_dim,
+            qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_type="rope",
+        )
     if any(moe_freq):
         experts, ffn = _experts(cfg)
         out.update(
@@ -268,7 +319,7 @@ def _mcore_config(cfg, num_layers, moe_freq):
             moe_router_topk=cfg.num_experts_per_tok,
             moe_layer_freq=[int(m) for m in moe_freq],
         )
-    if any(moe_freq) and cfg.model_type == "glm4_moe":
+    if any(moe_freq) and cfg.model_type in _GLM_MOE:
         out.update(
             moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
             moe_router_score_function="sigmoid",
@@ -284,10 +335,11 @@ def _mcore_config(cfg, num_layers, moe_freq):
 
 # (case, pp_size, pp_rank): whole models, and both stages of a tied model split in two.
 # megatron-core's local layer spec builds no Gated DeltaNet (its gated_delta_net spec needs
-# TransformerEngine's fused norm-linear): Qwen3.5's names are model_test's, its shapes the
+# TransformerEngine's fused norm-linear), nor MLA without q_lora_rank and with the latent norm
+# (it wants a fused norm-linear as q_proj): those names are model_test's, their shapes the
 # formula's above.
 _STAGES = [
-    *((c, 1, 0) for c in CASES if c != "qwen3_5_text"),
+    *((c, 1, 0) for c in CASES if c not in ("qwen3_5_text", "deepseek_v3-q_proj")),
     ("qwen2-tied", 2, 0),
     ("qwen2-tied", 2, 1),
 ]

@@ -13,15 +13,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from transformers import PretrainedConfig
 
 from twinkle_fn.backends.megatron import gated_delta_net
 from twinkle_fn.backends.megatron.bridge_rules import megatron_family
+from twinkle_fn.backends.megatron.mla import mla_fields
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import Family, Moe, flag_on
-
-_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
 
 def _require_divides(size: int, axis: str, count: int, what: str) -> None:
@@ -147,16 +146,19 @@ def transformer_config(
     megatron's compiled SwiGLU (``bias_activation_fusion``) and bias-dropout-add
     (``bias_dropout_fusion``) and the SDPA spec's compiled RMSNorm (``persist_layer_norm``,
     see `twinkle_fn.backends.megatron.spec.RMSNorm`; megatron's own local spec refuses it without
-    apex); set them False for the unfused ops. Any ``TransformerConfig`` field in `overrides`
-    wins over the derived value.
+    apex); set them False for the unfused ops. A family with multi-latent attention
+    (`Family.latent_attention`) gets an ``MLATransformerConfig`` (`mla.mla_fields`). Any
+    ``TransformerConfig`` field in `overrides` wins over the derived value.
 
     Raises ``ValueError`` for an unknown family or one megatron-core cannot express
     (`bridge_rules.megatron_family`), an unknown override name, an unsupported
     architecture option, or a mesh size that does not divide the model (attention heads, kv
-    heads and MLP channels by tp, layers by pp, experts by ep; ep > 1 on a dense model).
+    heads and MLP channels by tp, layers by pp, experts by ep; ep > 1 on a dense model; the
+    latent down projections' rows by tp).
     """
     fam = megatron_family(hf_config)
-    unknown = sorted(set(overrides) - _FIELDS)
+    config_class = MLATransformerConfig if fam.latent_attention else TransformerConfig
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(config_class)})
     if unknown:
         raise ValueError(
             f"unknown TransformerConfig field(s) {', '.join(map(repr, unknown))} in overrides; "
@@ -166,6 +168,8 @@ def transformer_config(
     bias = _linear_bias(hf_config, fam)
     heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
     _require_divides(mesh.tp, "tp", heads, "attention heads")
+    if fam.latent_attention:
+        groups = heads  # every head has its own keys and values (`mla.mla_fields`)
     if groups >= mesh.tp:
         _require_divides(mesh.tp, "tp", groups, "key/value heads (query groups)")
     elif mesh.tp % groups:
@@ -237,5 +241,7 @@ def transformer_config(
         fields.update(_moe_fields(hf_config, fam, mesh))
     if fam.linear_attention is not None:
         fields.update(gated_delta_net.config_fields(hf_config, fam, mesh))
+    if fam.latent_attention:
+        fields.update(mla_fields(hf_config, mesh))
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    return config_class(**fields)

@@ -23,9 +23,13 @@ def test_architecture_fields_follow_the_hf_config(family):
     hf = tiny_config(family, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5)
     cfg = transformer_config(hf, Mesh())
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 32, hf.intermediate_size)
-    assert (cfg.num_attention_heads, cfg.num_query_groups) == (8, 2)
-    head_dim_8 = ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_5_text")
-    assert cfg.kv_channels == (8 if family in head_dim_8 else 32 // 8)
+    if tf.models.family(family).latent_attention:  # every head its own keys (`mla_test`)
+        assert (cfg.num_attention_heads, cfg.num_query_groups) == (8, 8)
+        assert cfg.kv_channels == hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    else:
+        assert (cfg.num_attention_heads, cfg.num_query_groups) == (8, 2)
+        head_dim_8 = ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_5_text")
+        assert cfg.kv_channels == (8 if family in head_dim_8 else 32 // 8)
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
     assert cfg.gated_linear_unit and cfg.activation_func is F.silu
     assert not cfg.add_bias_linear
@@ -36,10 +40,10 @@ def test_architecture_fields_follow_the_hf_config(family):
     assert cfg.calculate_per_token_loss and cfg.variable_seq_lengths
     assert cfg.moe_token_dispatcher_type == "alltoall"
     assert cfg.params_dtype == torch.float32 and not cfg.bf16
-    moe = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+    moe = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
     assert (cfg.num_moe_experts is not None) == (family in moe)
     shared = cfg.moe_shared_expert_intermediate_size
-    assert (shared is not None) == (family in ("qwen2_moe", "glm4_moe"))
+    assert (shared is not None) == (family in ("qwen2_moe", "glm4_moe", "deepseek_v3"))
 
 
 def test_a_family_megatron_cannot_express_is_refused_with_the_reason():

@@ -21,6 +21,11 @@ mlp.shared_experts.linear_fc2  shared expert's down_proj        row
 mlp.experts (fc1, fc2)         experts.gate_up_proj, down_proj  whole per expert (etp 1), over ep
 =============================  ===============================  ==============================
 
+Multi-latent attention (`twinkle_fn.backends.megatron.mla`) takes adapters on every linear of
+`MLA_LINEARS` instead of ``linear_qkv``: ``q_a_proj``, ``q_b_proj`` (or ``q_proj``),
+``kv_a_proj_with_mqa``, ``kv_b_proj``, all column-parallel (the down projections' rows split
+like their base weights; their outputs are gathered), and ``o_proj`` as above.
+
 Routed experts are targeted as peft 0.17+ targets transformers 5's fused experts,
 ``target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` (``"all-linear"``
 includes both, see `twinkle_fn.lora.resolve_moe_targets`): one adapter per expert and linear
@@ -84,6 +89,14 @@ LINEARS: dict[str, Rule] = {
 }
 # A Gated DeltaNet layer's linears take the slots of the attention's (seeds, export order).
 GDN_LINEARS = ("self_attention.in_proj", "self_attention.out_proj")
+# Multi-latent attention's linears, which replace linear_qkv, in seed-slot order.
+MLA_LINEARS = (
+    "self_attention.linear_q_proj",
+    "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj",
+)
 # An MoE layer's shared-expert linears take the slots of the dense MLP's (seeds, export order).
 SHARED = {"mlp.shared_experts.linear_fc1": 2, "mlp.shared_experts.linear_fc2": 3}
 # The routed experts' linears, in the order of `EXPERT_TENSORS`.
@@ -149,7 +162,8 @@ def _hf_modules(rule: Rule, layer: int) -> tuple[str, ...]:
 def layer_linears(hf_config: Any) -> list[dict[str, Rule]]:
     """Per global layer, the linears that take a `LoraParallelLinear` and their bridge rules
     (MoE layers: attention and the shared expert's MLP, if any; a Gated DeltaNet layer's
-    ``in_proj`` and ``out_proj`` in the attention's slots, `GDN_LINEARS`)."""
+    ``in_proj`` and ``out_proj`` in the attention's slots, `GDN_LINEARS`; multi-latent
+    attention's linears of `MLA_LINEARS` in place of ``linear_qkv``)."""
     fam = megatron_family(hf_config)
     moe = fam.moe
     by_name = (
@@ -159,7 +173,10 @@ def layer_linears(hf_config: Any) -> list[dict[str, Rule]]:
     mixers = {
         r.mcore.removeprefix("decoder.layers.{layer}."): r for r in attention_rules(hf_config)
     }
-    attention = {k: mixers[f"{k}.weight"] for k in LINEARS if k.startswith("self_attention.")}
+    names = [k for k in LINEARS if k.startswith("self_attention.")]
+    if fam.latent_attention:
+        names = [*MLA_LINEARS, *names[1:]]
+    attention = {k: mixers[f"{k}.weight"] for k in names if f"{k}.weight" in mixers}
     linear = {k: mixers[f"{k}.weight"] for k in GDN_LINEARS if f"{k}.weight" in mixers}
     mlp = {k: r for k, r in LINEARS.items() if k.startswith("mlp.")}
     return [
@@ -323,7 +340,9 @@ def add_adapters(
     built. Every parameter but the adapters' gets ``requires_grad=False``. The adapter of
     global layer ``l``'s ``k``-th linear of `LINEARS` is seeded with ``4 * l + k`` (a shared
     expert's linears take the dense MLP's ``k``), the routed experts' linear ``j`` of
-    `EXPERT_LINEARS` with ``4 * layers + 2 * l + j`` (see `ExpertLora`). Under
+    `EXPERT_LINEARS` with ``4 * layers + 2 * l + j`` (see `ExpertLora`), multi-latent
+    attention's ``m``-th linear of `MLA_LINEARS` with ``6 * layers + 5 * l + m`` (a Gated
+    DeltaNet layer's `GDN_LINEARS` take the attention's ``k``). Under
     activation recomputation the embedding's output is made to require grad, so that
     megatron's checkpointed layers (which see no trainable input otherwise) backpropagate.
     Returns the plan (`resolve` of `config` on the HF model `hf_module`). Raises
@@ -341,8 +360,7 @@ def add_adapters(
         for key in plan.layers.get(index, ()):
             parent, _, attr = key.rpartition(".")
             owner = layer.get_submodule(parent)
-            slot = list(rules[index]).index(key)
-            seed = len(LINEARS) * index + slot
+            seed = _seed(key, index, hf_config.num_hidden_layers)
             wrapped = LoraParallelLinear(
                 getattr(owner, attr), plan.config, rule=rules[index][key], seed=seed
             )
@@ -352,6 +370,18 @@ def add_adapters(
     if gpt.pre_process and gpt.config.recompute_granularity is not None:
         gpt.embedding.register_forward_hook(_require_grad)
     return plan
+
+
+def _seed(key: str, index: int, num_layers: int) -> int:
+    """The adapter seed of linear `key` of global layer `index` (see `add_adapters`)."""
+    if key in MLA_LINEARS:  # after the dense linears' and the routed experts' seeds
+        first = (len(LINEARS) + len(EXPERT_LINEARS)) * num_layers
+        return first + len(MLA_LINEARS) * index + MLA_LINEARS.index(key)
+    if key in GDN_LINEARS:
+        slot = GDN_LINEARS.index(key)
+    else:
+        slot = SHARED[key] if key in SHARED else list(LINEARS).index(key)
+    return len(LINEARS) * index + slot
 
 
 def _add_expert_lora(

@@ -3,10 +3,13 @@
 megatron-core 0.19 deprecates ``GPTModel`` in favour of ``HybridModel``. Every family built
 here is built on ``GPTModel`` still, Qwen3.5's hybrid layers included:
 
-- attention-only families (dense, MoE and shared-expert MLPs, GLM-4 MoE's sigmoid router,
-  DeepSeek-V3's multi-latent attention when built: its layer spec takes ``MLASelfAttention``):
+- attention-only families (dense, MoE and shared-expert MLPs, GLM-4 MoE's sigmoid router):
   ``GPTModel`` is what the layer spec, the bridge's parameter names, LoRA, dist checkpoints and
   the CPU compatibility layer are written and tested against, and it builds them exactly;
+- DeepSeek-V3: every layer is attention then an MLP (dense, or MoE with shared experts),
+  ``GPTModel``'s layer exactly with megatron's ``MLASelfAttention`` as its attention
+  (`twinkle_fn.backends.megatron.mla`; ``GPTModel`` leaves the rotary embedding to it), so its
+  bridge, LoRA and checkpoints are laid out as every other family's;
 - Qwen3.5 (Gated DeltaNet layers between gated attention layers, every layer followed by a
   dense MLP): its layer spec puts megatron-core's ``GatedDeltaNet`` where the attention is in
   the DeltaNet layers (`twinkle_fn.backends.megatron.spec`), with megatron's own
@@ -159,7 +162,9 @@ def build_gpt_model(
     _check_mesh_matches_megatron(mesh)
     config = transformer_config(hf_config, mesh, **overrides)
     theta, rope_type = rope_settings(hf_config)
-    if rope_type not in _STATIC_ROPE_TYPES:
+    # multi-latent attention rotates in its own attention module (`mla.mla_fields`)
+    latent = config.multi_latent_attention
+    if rope_type not in _STATIC_ROPE_TYPES and not latent:
         raise ValueError(
             f"rope_type={rope_type!r} is not supported; use one of {', '.join(_STATIC_ROPE_TYPES)}"
         )
@@ -177,7 +182,7 @@ def build_gpt_model(
         rotary_base=theta,
         rotary_percent=rotary_fraction(hf_config),
     )
-    if rope_type != "default":
+    if rope_type != "default" and not latent:
         inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         model.rotary_pos_emb.inv_freq = inv_freq.float()
     if head == "value" and last:

@@ -40,6 +40,7 @@ CASES = {
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "mistral-window": ("mistral", {"sliding_window": 4}),
     "qwen3_moe-dense0-normed": ("qwen3_moe", {"mlp_only_layers": [0], "norm_topk_prob": True}),
+    "deepseek_v3-q_proj": ("deepseek_v3", {"q_lora_rank": None}),
 }
 SEQ = 12
 # fp32 logits of the same weights through different kernels (megatron's linears and MoE
@@ -65,7 +66,15 @@ def _expected_names(case: str) -> set[str]:
             names |= {p + "self_attention." + n for n in (*gdn, "out_proj.weight")}
             names |= {p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"}
             continue
-        names |= {p + f"self_attention.linear_{n}.weight" for n in ("qkv", "proj")}
+        if families.family(family).latent_attention:
+            attention = ["q_down_proj", "q_up_proj"] if cfg.q_lora_rank else ["q_proj"]
+            attention += ["kv_down_proj", "kv_up_proj", "proj"]
+            names |= {p + f"self_attention.linear_{n}.weight" for n in attention}
+            names.add(p + "self_attention.kv_layernorm.weight")
+            if cfg.q_lora_rank:
+                names.add(p + "self_attention.q_layernorm.weight")
+        else:
+            names |= {p + f"self_attention.linear_{n}.weight" for n in ("qkv", "proj")}
         if family in ("qwen2", "qwen2_moe") or getattr(cfg, "attention_bias", False):
             names.add(p + "self_attention.linear_qkv.bias")
         if getattr(cfg, "mlp_bias", False):
@@ -76,12 +85,13 @@ def _expected_names(case: str) -> set[str]:
                 p + "self_attention.q_layernorm.weight",
                 p + "self_attention.k_layernorm.weight",
             }
-        if family in ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe") and i not in dense_layers:
+        moe_families = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+        if family in moe_families and i not in dense_layers:
             names.add(p + "mlp.router.weight")
             for j in range(getattr(cfg, "num_experts", None) or cfg.num_local_experts):
                 e = f"{p}mlp.experts.local_experts.{j}."
                 names |= {e + "linear_fc1.weight", e + "linear_fc2.weight"}
-            if family in ("qwen2_moe", "glm4_moe"):
+            if family in ("qwen2_moe", "glm4_moe", "deepseek_v3"):
                 shared = p + "mlp.shared_experts."
                 names |= {shared + n for n in ("linear_fc1.weight", "linear_fc2.weight")}
             if family == "qwen2_moe":
@@ -157,7 +167,7 @@ def test_logits_match_transformers_on_the_same_weights(megatron_world, case):
     torch.testing.assert_close(logits[..., : cfg.vocab_size], want, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "qwen3_5_text"])
+@pytest.mark.parametrize("case", ["qwen3", "qwen3_moe", "qwen3_5_text", "deepseek_v3"])
 def test_packed_logits_match_each_sample_alone(megatron_world, case):
     """THD packing (rope restarts per sample, SDPA per sample; a Gated DeltaNet's convolution
     and recurrence restart at cu_seqlens) == unpacked HF logits."""

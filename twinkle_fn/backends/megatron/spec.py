@@ -50,6 +50,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
+from twinkle_fn.backends.megatron import mla
 from twinkle_fn.backends.megatron.attention import SDPAAttention
 from twinkle_fn.backends.megatron.gated_delta_net import GatedDeltaNet, eager
 from twinkle_fn.backends.megatron.grouped_experts import GroupedSequentialMLP
@@ -251,8 +252,9 @@ def layer_spec(
     spec's on both (experts: with ``moe_grouped_gemm=False``). `moe`: an MoE layer (default:
     iff the config has experts). `grouped_experts`: the SDPA spec's experts run as grouped
     GEMMs (`GroupedSequentialMLP`), else in megatron's loop (``SequentialMLP``); same
-    parameters either way. q/k RMSNorms when ``config.qk_layernorm``. `linear`: a Gated
-    DeltaNet layer (`_gated_delta_net` in the attention's place). Raises ``ValueError``
+    parameters either way. q/k RMSNorms when ``config.qk_layernorm``; multi-latent attention
+    (`twinkle_fn.backends.megatron.mla`) when ``config.multi_latent_attention``. `linear`: a
+    Gated DeltaNet layer (`_gated_delta_net` in the attention's place). Raises ``ValueError``
     for ``use_te=True`` without TransformerEngine.
     """
     backend = _backend(use_te, grouped_experts)
@@ -277,6 +279,8 @@ def layer_spec(
             ),
         )
     )
+    if config.multi_latent_attention:
+        attention = mla.attention_spec(backend, backend.layer_norm(rms_norm=True, for_qk=True))
     if is_moe:
         mlp = get_moe_module_spec_for_backend(
             backend=backend,
