@@ -35,9 +35,19 @@ def _config():
     return config
 
 
-def _model(kind="hf", coefs=COEFS):
-    options = {"router_loss": {**coefs, "aux_kind": kind}, "overlap_grad_reduce": False}
-    return tf.models.from_hf_config(_config(), seed=0, backend="megatron", options=options)
+def _model(kind="hf", coefs=COEFS, recompute=False, micro_batches=1):
+    options = {
+        "router_loss": {**coefs, "aux_kind": kind},
+        "overlap_grad_reduce": False,
+        "num_micro_batches": micro_batches,
+    }
+    return tf.models.from_hf_config(
+        _config(),
+        seed=0,
+        backend="megatron",
+        options=options,
+        activation_checkpointing=recompute,
+    )
 
 
 def _reference(feats, kind="hf", coefs=COEFS):
@@ -79,6 +89,8 @@ CASES = {
     "hf-padded": ("hf", COEFS, "padded"),
     "megatron-padded": ("megatron", COEFS, "padded"),
     "off-packed": ("hf", {"aux_coef": 0.0, "z_coef": 0.0}, "packed"),
+    # megatron's full recompute: the gradient injected in the recomputed forward
+    "hf-recompute": ("hf", COEFS, "recompute"),
 }
 
 
@@ -87,7 +99,11 @@ def one(megatron_world):
     feats = random_features(6, seed=1)
     runs = {}
     for name, (kind, coefs, layout) in CASES.items():
-        runs[name] = _facts(tf.init(_model(kind, coefs), tf.optim.sgd(1.0)), _batch(feats, layout))
+        model = _model(kind, coefs, recompute=layout == "recompute")
+        batch = _batch(feats, "padded" if layout == "padded" else "packed")
+        runs[name] = _facts(tf.init(model, tf.optim.sgd(1.0)), batch)
+    two_mb = tf.init(_model(micro_batches=2), tf.optim.sgd(1.0))
+    runs["two-micro-batches"] = _facts(two_mb, pack(feats))
     replays = {
         layout: _replay(tf.init(_model(), tf.optim.sgd(1.0)), _batch(feats, layout))
         for layout in ("padded", "packed")
@@ -115,6 +131,22 @@ def _check(aux, routers, want, coefs):
 def test_router_losses_and_expert_load_equal_the_reference(one, case):
     kind, coefs, _ = CASES[case]
     _check(*one["runs"][case], _reference(one["feats"], kind, coefs), coefs)
+
+
+def test_each_micro_batch_trains_its_own_router_losses(one):
+    """Two micro-batches of three samples: the sum of the halves' references (their router
+    losses weighted by their token counts), the reported losses their token-weighted mean."""
+    feats = one["feats"]
+    halves = [_reference(feats[:3]), _reference(feats[3:])]
+    aux, routers = one["runs"]["two-micro-batches"]
+    n = sum(h["num_tokens"] for h in halves)
+    assert int(aux["num_tokens"]) == n
+    assert torch.equal(aux["expert_load"].cpu(), halves[0]["load"] + halves[1]["load"])
+    mean = sum(h["num_tokens"] * h["aux"] for h in halves) / n
+    torch.testing.assert_close(aux["aux_loss"], mean.float(), rtol=RTOL, atol=0)
+    for i, g in enumerate(routers):
+        ref = sum(h["grads"][HF_ROUTER.format(i)] for h in halves).float() / n
+        torch.testing.assert_close(g.cpu() / n, ref, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

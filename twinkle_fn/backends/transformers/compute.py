@@ -215,7 +215,8 @@ def loss_of(
     if ROUTER_TOKEN not in batch:
         batch = with_token_field(model.config, batch)
     batch = local_batch(model, batch)
-    with router.routing(model, rp, batch):
+    # fwd_bwd's routing outlives the forward: checkpointed layers recompute in the backward
+    with router.routing(model, rp, batch, keep=rp is not None):
         return _loss_of(state, batch, loss)
 
 
@@ -322,6 +323,7 @@ def fwd_bwd(
         if group is not None:
             grads = ulysses.sum_grads(grads, None if accum is None else accum.params, group)
     finally:
+        router.release(state.model)
         for p in params.values():
             p.grad = None
     loss_sum = out.loss_sum.detach()

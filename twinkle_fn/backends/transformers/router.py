@@ -139,9 +139,13 @@ def new_pass(model: Model, *, record: bool = False) -> RouterPass | None:
 
 
 @contextlib.contextmanager
-def routing(model: Model, rp: RouterPass | None, batch: Mapping[str, Tensor]) -> Iterator[None]:
+def routing(
+    model: Model, rp: RouterPass | None, batch: Mapping[str, Tensor], *, keep: bool = False
+) -> Iterator[None]:
     """Route the forwards inside through `rp` (may be None: replay only) over `batch` (a local
-    batch from `twinkle_fn.moe.with_token_field`), replaying ``batch["routed_experts"]`` when present."""
+    batch from `twinkle_fn.moe.with_token_field`), replaying ``batch["routed_experts"]`` when
+    present. With `keep` the routing stays on after the block, for the backward's
+    recomputation of checkpointed layers, until `release`."""
     if ROUTER_TOKEN not in batch:
         yield
         return
@@ -155,7 +159,15 @@ def routing(model: Model, rp: RouterPass | None, batch: Mapping[str, Tensor]) ->
     try:
         yield
     finally:
-        slot[0] = None
+        if not keep:
+            slot[0] = None
+
+
+def release(model: Model) -> None:
+    """End the routing a `routing` block kept on (nothing for a dense model)."""
+    routers = getattr(model.module, _ROUTERS, None)
+    if routers:
+        getattr(routers[0], _CTX)[0] = None
 
 
 def recorded(rp: RouterPass, batch: Mapping[str, Tensor]) -> Tensor:

@@ -27,11 +27,13 @@ COEFS = {"aux_coef": 0.5, "z_coef": 0.1}  # large, so that a wrong term shows in
 ROUTER = "model.layers.{}.mlp.gate.weight"
 
 
-def _model(family="qwen3_moe", kind="hf", coefs=COEFS, dtype=torch.float64):
+def _model(family="qwen3_moe", kind="hf", coefs=COEFS, dtype=torch.float64, recompute=False):
     config = tiny_config(family)
     config._experts_implementation = "eager"
     options = {"router_loss": {**coefs, "aux_kind": kind}}
-    model = tf.models.from_hf_config(config, seed=0, options=options, device="cpu")
+    model = tf.models.from_hf_config(
+        config, seed=0, options=options, device="cpu", activation_checkpointing=recompute
+    )
     model.module.to(dtype)
     return model
 
@@ -53,6 +55,7 @@ def _reference(model, feats, kind, coefs=COEFS):
 
 CASES = [
     ("qwen3_moe", "hf", COEFS, "padded"),
+    ("qwen3_moe", "hf", COEFS, "recompute"),  # the gradient injected in the recomputation
     ("qwen3_moe", "hf", COEFS, "packed"),
     ("qwen3_moe", "megatron", COEFS, "padded"),
     ("qwen3_moe", "hf", {"aux_coef": 0.0, "z_coef": 0.0}, "padded"),  # off
@@ -65,9 +68,9 @@ CASES = [
 @pytest.mark.parametrize(("family", "kind", "coefs", "layout"), CASES)
 def test_router_losses_and_expert_load_equal_the_reference(family, kind, coefs, layout):
     feats = random_features(6, seed=1)
-    model = _model(family, kind, coefs)
+    model = _model(family, kind, coefs, recompute=layout == "recompute")
     want = _reference(model, feats, kind, coefs)
-    grads, aux = _run(model, _batch(feats, layout))
+    grads, aux = _run(model, _batch(feats, "packed" if layout == "packed" else "padded"))
     n = want["num_tokens"]
     assert int(aux["num_tokens"]) == n
     assert torch.equal(aux["expert_load"], want["load"])
@@ -78,6 +81,22 @@ def test_router_losses_and_expert_load_equal_the_reference(family, kind, coefs, 
         assert "aux_loss" not in aux
     for name, g in want["grads"].items():
         torch.testing.assert_close(grads[name], g / n, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_accumulated_forwards_each_train_their_own_router_losses():
+    """Two fwd_bwd calls accumulate ``N_1 (ce_1 / N_1 + aux_1) + N_2 (...)``: the sum of the
+    two forwards' references (float64, 1e-9)."""
+    feats = random_features(6, seed=1)
+    model = _model()
+    halves = [_reference(model, feats[:3], "hf"), _reference(model, feats[3:], "hf")]
+    state = tf.init(model, tf.optim.sgd(1.0))
+    grads, _ = tf.fwd_bwd(state, pack(feats[:3]))
+    grads, aux = tf.fwd_bwd(state, pack(feats[3:]), accum=grads)
+    assert int(grads.num_tokens) == sum(h["num_tokens"] for h in halves)
+    torch.testing.assert_close(aux["aux_loss"], halves[1]["aux"].float(), rtol=1e-6, atol=0)
+    for name, g in grads.params.items():
+        want = halves[0]["grads"][name] + halves[1]["grads"][name]
+        torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_replay_reproduces_the_recorded_forward_and_forces_the_experts():
