@@ -36,8 +36,9 @@ data rank: ``tf.fwd_bwd``'s ``aux["expert_load"]``.
 **Routing replay**: a record (`ROUTED_EXPERTS`) is ``[B, T, L, k]`` int64 in the batch's own
 layout (``[1, T, L, k]`` for a packed row): each token's ``k`` experts per MoE layer, sorted
 ascending. ``tf.token_logps(..., record_routing=True)`` returns it; a batch carrying it under
-``"routed_experts"`` makes ``tf.fwd_bwd`` / ``tf.token_logps`` route every token to those
-experts (its routing weights recomputed from the current router for them).
+``"routed_experts"`` makes ``tf.fwd_bwd`` / ``tf.token_logps`` route every non-padding token to
+those experts (its routing weights recomputed from the current router for them; padding keeps
+the router's own choice).
 """
 
 from __future__ import annotations
@@ -416,8 +417,9 @@ def check_record(
 ) -> None:
     """Refuse a routing record that does not fit `batch` and the model, before any compute:
     ``TypeError`` unless it is an integer tensor, ``ValueError`` unless it is ``[B, T, layers,
-    top_k]`` for `batch`'s ``[B, T]`` with every expert in ``[0, experts)`` (values checked on
-    the host only)."""
+    top_k]`` for `batch`'s ``[B, T]`` with `top_k` different experts in ``[0, experts)`` for
+    every non-padding token (values checked on the host only; padding tokens are routed by
+    the router itself)."""
     if not isinstance(record, Tensor) or record.is_floating_point() or record.dtype == torch.bool:
         raise TypeError(
             f"{where}: batch[{ROUTED_EXPERTS!r}] must be an integer tensor [B, T, moe_layers, "
@@ -431,12 +433,22 @@ def check_record(
             f"and model need {want} ([B, T, moe_layers, top_k]); record it on the same batch "
             "with tf.token_logps(..., record_routing=True)"
         )
+    mask = batch.get("attention_mask")
     if record.device.type == "cpu" and record.numel():
-        lo, hi = int(record.min()), int(record.max())
+        real = record if mask is None or "cu_seqlens" in batch else record[mask.bool().cpu()]
+        if not real.numel():
+            return
+        lo, hi = int(real.min()), int(real.max())
         if lo < 0 or hi >= experts:
             raise ValueError(
                 f"{where}: batch[{ROUTED_EXPERTS!r}] holds experts {lo}..{hi}, outside the "
                 f"model's 0..{experts - 1}"
+            )
+        ordered = real.sort(-1).values
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise ValueError(
+                f"{where}: batch[{ROUTED_EXPERTS!r}] lists an expert twice for a token; each "
+                f"token's {top_k} experts must differ"
             )
 
 

@@ -82,8 +82,12 @@ class _Replay:
         ctx = self.slot[0]
         if ctx is None or ctx.record is None:
             return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        index, _, _ = ctx.local(scores.shape[0])
+        index, valid, _ = ctx.local(scores.shape[0])
         idx = replay_targets(ctx.record, index)[self.layer].to(scores.device)  # [n, k]
+        # padding (the batch's and the backend's) keeps the router's own choice: a record
+        # holds nothing meaningful there
+        own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
+        idx = torch.where(valid.to(idx.device)[:, None], idx, own)
         return scores.gather(1, idx), idx
 
 

@@ -152,10 +152,12 @@ def test_each_micro_batch_trains_its_own_router_losses(one):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_replay_reproduces_the_recorded_forward_and_forces_the_experts(one, layout):
     r = one["replays"][layout]
-    assert r["record"].shape == (*_batch(one["feats"], layout)["input_ids"].shape, 2, 2)
+    batch = _batch(one["feats"], layout)
+    assert r["record"].shape == (*batch["input_ids"].shape, 2, 2)
     assert torch.equal(r["again"]["routed_experts"], r["record"])
-    assert not torch.equal(r["moved"], r["record"])
-    assert torch.equal(r["forced"], r["record"])
+    real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    assert not torch.equal(r["moved"][real], r["record"][real])
+    assert torch.equal(r["forced"][real], r["record"][real])  # padding: the router's choice
     assert torch.equal(r["load"].cpu(), _reference(one["feats"])["load"])
 
 

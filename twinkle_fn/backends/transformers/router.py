@@ -92,7 +92,9 @@ def _make_hook(slot: list[_Context | None], layer: int, weights: Callable[..., T
         logits, w, idx = out
         local = logits.to_local() if isinstance(logits, DTensor) else logits
         if ctx.targets is not None:
-            idx = ctx.targets[layer].to(idx.device)
+            # padding keeps the router's own choice: a record holds nothing meaningful there
+            keep = ctx.valid.to(idx.device)[:, None]
+            idx = torch.where(keep, ctx.targets[layer].to(idx.device), idx)
             w = weights(logits, idx, w.dtype)
         if ctx.rp is not None:
             ctx.rp.observe(layer, local, idx, ctx.valid)
