@@ -266,20 +266,11 @@ class RouterPass:
             return weights
         return _AttachRouterLoss.apply(weights, logits, valid, self, layer)
 
-    def finish(
-        self,
-        num_tokens: Tensor,
-        all_reduce: Callable[[Tensor], None] | None,
-        *,
-        duplicate: bool = False,
-    ) -> None:
-        """Sum what was observed over the data ranks (`all_reduce` sums a float64 tensor in
-        place over every rank holding other tokens; None on one) with this forward's loss
-        token count `num_tokens` (``N_f``, this rank's part). A `duplicate` rank routed the
-        same tokens as another one (tensor parallelism without sequence parallelism) and adds
-        no statistics of its own. Every rank must call it."""
-        if duplicate:
-            self._layers = []
+    def statistics(self, num_tokens: Tensor, *, duplicate: bool = False) -> Tensor:
+        """This rank's part of the statistics `finish` sums over the data ranks: one float64
+        vector (expert loads, aux counts and score sums ``[L, E]`` each, z sums and token counts
+        ``[L]``, and `num_tokens`), zeros but `num_tokens` for a `duplicate` rank (one that
+        routed the same tokens as another: tensor parallelism without sequence parallelism)."""
         device = num_tokens.device
         lcount, experts = self.num_layers, self.num_experts
         load = torch.zeros(lcount, experts, dtype=torch.float64, device=device)
@@ -287,25 +278,30 @@ class RouterPass:
         counts = torch.zeros(lcount, experts, dtype=torch.float64, device=device)
         probs = torch.zeros(lcount, experts, dtype=torch.float64, device=device)
         lse = torch.zeros(lcount, dtype=torch.float64, device=device)
-        for i, layer in enumerate(self._layers):
+        for i, layer in enumerate([] if duplicate else self._layers):
             load[layer] += self._load[i].to(device)
             tokens[layer] += self._tokens[i].to(device)
             if self.loss.active:
                 counts[layer] += self._counts[i].to(device)
                 probs[layer] += self._probs[i].to(device)
                 lse[layer] += self._lse[i].to(device)
-        flat = torch.cat(
-            [
-                load.reshape(-1),
-                counts.reshape(-1),
-                probs.reshape(-1),
-                lse,
-                tokens,
-                num_tokens.reshape(1).to(torch.float64),
-            ]
-        )
+        parts = [load.reshape(-1), counts.reshape(-1), probs.reshape(-1), lse, tokens]
+        return torch.cat([*parts, num_tokens.reshape(1).to(torch.float64)])
+
+    def finish(
+        self,
+        num_tokens: Tensor,
+        all_reduce: Callable[[Tensor], None] | None,
+        *,
+        duplicate: bool = False,
+    ) -> None:
+        """Sum the `statistics` over the data ranks (`all_reduce` sums a float64 tensor in place
+        over every rank holding other tokens; None on one) with this forward's loss token count
+        `num_tokens` (``N_f``, this rank's part). Every rank must call it."""
+        flat = self.statistics(num_tokens, duplicate=duplicate)
         if all_reduce is not None:
             all_reduce(flat)
+        lcount, experts = self.num_layers, self.num_experts
         n = lcount * experts
         load, counts, probs, rest = flat.split([n, n, n, flat.numel() - 3 * n])
         lse, tokens, num = rest[:lcount], rest[lcount:-1], rest[-1]

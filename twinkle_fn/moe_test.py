@@ -110,20 +110,10 @@ def test_router_pass_gradient_equals_reference(kind: str, ranks: int) -> None:
             rp.observe(layer, x, top, valid[rows])
             w = torch.ones(len(rows), K, dtype=torch.float64, requires_grad=True)
             outs.append(rp.attach(layer, w, x, valid[rows]).sum())
-    flats: list[torch.Tensor] = []
-
-    def all_reduce(flat: torch.Tensor) -> None:
-        flats.append(flat)
-
+    share = torch.tensor(n_f / ranks)
+    total = sum(rp.statistics(share) for rp in passes)  # what the all-reduce returns
     for rp in passes:
-        rp.finish(torch.tensor(n_f / ranks), all_reduce if ranks > 1 else None)
-    if ranks > 1:  # the sum every rank's all-reduce would return, written into each buffer
-        total = sum(flats)
-        for f in flats:
-            f.copy_(total)
-        for rp in passes:  # re-split from the summed buffer
-            rp.finished = False
-            rp.finish(torch.tensor(n_f / ranks), lambda f, t=total: f.copy_(t))
+        rp.finish(share, None if ranks == 1 else lambda flat: flat.copy_(total))
     (grad,) = torch.autograd.grad(sum(outs), logits)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
     info = passes[0].info()
@@ -131,7 +121,7 @@ def test_router_pass_gradient_equals_reference(kind: str, ranks: int) -> None:
     ref_aux = load_balancing_loss(counts, probs, valid.sum(), K, kind)
     torch.testing.assert_close(info["aux_loss"], ref_aux.float())
     torch.testing.assert_close(info["z_loss"], z_loss(lse, valid.sum(), kind).float())
-    load = sum(expert_counts(logits[0].detach().topk(K, -1).indices, valid, E) for _ in [0])
+    load = expert_counts(logits[0].detach().topk(K, -1).indices, valid, E)
     assert torch.equal(info["expert_load"][0], load.long())
 
 
