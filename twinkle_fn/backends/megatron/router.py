@@ -129,7 +129,9 @@ def _routing(
         ctx.rp.observe(layer, flat, idx, valid)
         return ctx.rp.attach(layer, probs, flat, valid), routing_map
 
-    return hooked
+    # eager inside a compiled router (option compile_layers): the bookkeeping has Python side
+    # effects, and the routing it wraps is a few small ops
+    return torch._dynamo.disable(hooked, reason="twinkle router bookkeeping")
 
 
 class RouterRun:

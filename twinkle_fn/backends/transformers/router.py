@@ -101,7 +101,9 @@ def _make_hook(slot: list[_Context | None], layer: int, weights: Callable[..., T
             w = ctx.rp.attach(layer, w, local, ctx.valid)
         return logits, w, idx
 
-    return hook
+    # eager inside a compiled decoder layer (option compile_layers): the bookkeeping has Python
+    # side effects
+    return torch._dynamo.disable(hook, reason="twinkle router bookkeeping")
 
 
 def _replay_weights(model: Model) -> Callable[[Tensor, Tensor, torch.dtype], Tensor]:
