@@ -71,6 +71,7 @@ class _Replay:
         self.slot, self.layer = slot, layer
         self.layer_number: int | None = None  # megatron's set_layer_number writes it
 
+    @torch._dynamo.disable(reason="twinkle routing replay: reads the current micro-batch")
     def get_replay_topk(
         self,
         scores: Tensor,
@@ -120,18 +121,31 @@ def _routing(
 ) -> Callable[..., Any]:
     def hooked(logits: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         probs, routing_map = routing(logits, padding_mask=padding_mask)
-        ctx = slot[0]
-        if ctx is None or ctx.rp is None:
-            return probs, routing_map
-        flat = logits.reshape(-1, logits.shape[-1])  # [s * b, E], sequence-major
-        _, valid, _ = ctx.local(flat.shape[0])
-        idx = routing_map.to(torch.int8).topk(router.topk, dim=-1).indices  # [n, k]
-        ctx.rp.observe(layer, flat, idx, valid)
-        return ctx.rp.attach(layer, probs, flat, valid), routing_map
+        return _book(slot, layer, router.topk, logits, probs, routing_map)
 
-    # eager inside a compiled router (option compile_layers): the bookkeeping has Python side
-    # effects, and the routing it wraps is a few small ops
-    return torch._dynamo.disable(hooked, reason="twinkle router bookkeeping")
+    return hooked
+
+
+@torch._dynamo.disable(reason="twinkle router bookkeeping")
+def _book(
+    slot: list[_Context | None],
+    layer: int,
+    topk: int,
+    logits: Tensor,
+    probs: Tensor,
+    routing_map: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Feed the current micro-batch's `RouterPass` one layer's routing; the routing weights
+    `probs`, carrying the router losses' gradient. Eager inside a compiled router (option
+    compile_layers): it has Python side effects, and reads the context fresh each call."""
+    ctx = slot[0]
+    if ctx is None or ctx.rp is None:
+        return probs, routing_map
+    flat = logits.reshape(-1, logits.shape[-1])  # [s * b, E], sequence-major
+    _, valid, _ = ctx.local(flat.shape[0])
+    idx = routing_map.to(torch.int8).topk(topk, dim=-1).indices  # [n, k]
+    ctx.rp.observe(layer, flat, idx, valid)
+    return ctx.rp.attach(layer, probs, flat, valid), routing_map
 
 
 class RouterRun:
