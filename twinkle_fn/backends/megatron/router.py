@@ -143,7 +143,7 @@ def _book(
         return probs, routing_map
     flat = logits.reshape(-1, logits.shape[-1])  # [s * b, E], sequence-major
     _, valid, _ = ctx.local(flat.shape[0])
-    idx = routing_map.to(torch.int8).topk(topk, dim=-1).indices  # [n, k]
+    idx = routing_map.float().topk(topk, dim=-1).indices  # [n, k]: its True columns
     ctx.rp.observe(layer, flat, idx, valid)
     return ctx.rp.attach(layer, probs, flat, valid), routing_map
 
