@@ -110,16 +110,17 @@ class InputProcessor:
 
 
 def unpack(values: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-    """Per-token `values` of `batch` as ``[n_seq, max_len]`` (zeros past each sample's end).
+    """Per-token `values` of `batch` as ``[n_seq, max_len, ...]`` (zeros past each sample's
+    end).
 
-    `values` is ``[batch, seq]``: returned as is for a padded batch; for a packed one
-    (``[1, total]`` with ``cu_seqlens``) each sample's span becomes one row.
+    `values` is ``[batch, seq, ...]``: returned as is for a padded batch; for a packed one
+    (``[1, total, ...]`` with ``cu_seqlens``) each sample's span becomes one row.
     """
     if "cu_seqlens" not in batch:
         return values
     bounds = batch["cu_seqlens"].tolist()
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    out = values.new_zeros(len(lengths), max(lengths))
+    out = values.new_zeros(len(lengths), max(lengths), *values.shape[2:])
     for row, (start, n) in enumerate(zip(bounds[:-1], lengths, strict=True)):
         out[row, :n] = values[0, start : start + n]
     return out

@@ -26,6 +26,7 @@ from twinkle_fn.losses import (
 )
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models import Model
+from twinkle_fn.models.families import family
 from twinkle_fn.optim import GradientTransformation, current_lr
 from twinkle_fn.pytree import tree_leaves
 from twinkle_fn.state import Grads, TrainState, next_key
@@ -169,7 +170,11 @@ def fwd_bwd(
     unless ``donate=False``. A sequence loss (``tf.losses.dpo_loss``...) costs one more forward
     without gradients, whose log-probabilities linearise it exactly into a `TokenLoss`
     (`twinkle_fn.losses.preference`). Returns ``(grads, aux)``, aux holding this micro-batch's
-    ``loss_sum`` and ``num_tokens`` (the loss's count: pairs for a preference loss). A module
+    ``loss_sum`` and ``num_tokens`` (the loss's count: pairs for a preference loss); for an
+    MoE model also ``expert_load`` ``[moe_layers, experts]`` (tokens routed to each expert,
+    padding excluded, summed over data ranks) and, when router losses train (model option
+    ``router_loss``, `twinkle_fn.moe.RouterLoss`), their values ``aux_loss`` / ``z_loss``. A
+    batch carrying ``routed_experts`` (`token_logps`' record) replays that routing. A module
     holding several LoRA adapters computes with the state's own (`twinkle_fn.lora.use_adapter`).
     A value model (``head="value"``, a critic) trains a loss that needs ``values`` (e.g.
     ``tf.losses.value_loss``). Raises `DonatedError` for a donated state or accum;
@@ -227,6 +232,7 @@ def token_logps(
     temperature: float = 1.0,
     disable_lora: bool = False,
     return_logits: bool = False,
+    record_routing: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probabilities of `batch`'s labels under `state`, without gradients.
 
@@ -234,9 +240,13 @@ def token_logps(
     ``log softmax(logits / temperature)[label]``, 0 where the label is -100), ``loss_sum`` and
     ``num_tokens`` (the token-summed cross entropy at temperature 1 and its supervised-token
     count), and with `return_logits` ``logits`` ``[B, T, vocab]`` divided by `temperature`.
-    `disable_lora` computes with the base weights alone (a reference model's log-probs). On
+    `disable_lora` computes with the base weights alone (a reference model's log-probs). An
+    MoE model with `record_routing` also returns ``routed_experts`` ``[B, T, moe_layers,
+    top_k]`` int64, the experts each token was routed to (a routing-replay record,
+    `twinkle_fn.moe`); a `batch` carrying one under ``"routed_experts"`` is routed by it. On
     several ranks a collective over the model's ranks. Raises `DonatedError` for a donated
-    state, ``ValueError`` for a `temperature` that is not positive, ``TypeError`` /
+    state, ``ValueError`` for a `temperature` that is not positive, `record_routing` on a
+    dense model, a routing record that does not fit (`twinkle_fn.moe.check_record`), ``TypeError`` /
     ``ValueError`` for a batch `twinkle_fn.batch_check.check_batch` refuses, for what the
     backend does not offer (the megatron backend: a temperature other than 1, logits) and for a
     value model (read it with `token_values`).
@@ -250,6 +260,11 @@ def token_logps(
     if not (isinstance(temperature, int | float) and temperature > 0):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
     check_batch(batch, state.model.config, where="tf.token_logps")
+    if record_routing and family(state.model.config).moe is None:
+        raise ValueError(
+            f"tf.token_logps(record_routing=True) records MoE routing, but this "
+            f"{state.model.family} model has no experts; drop record_routing"
+        )
     lora.use_adapter(state)
     return backends.get(state.model.backend).token_logps(
         state,
@@ -257,6 +272,7 @@ def token_logps(
         temperature=float(temperature),
         disable_lora=disable_lora,
         return_logits=return_logits,
+        record_routing=record_routing,
     )
 
 

@@ -57,7 +57,8 @@ class TrainableModel(abc.ABC):
         optimizer: optim.OptimizerSpec | None = None,
     ) -> None:
         """The shared setup: checks `mixed_precision`, joins the world of `device_mesh` (see
-        `_build.device_mesh`), pops ``tokenizer_id`` and ``seed`` from `kwargs`, and starts
+        `_build.device_mesh`), pops ``tokenizer_id``, ``seed`` and ``enable_router_replay`` (upstream's
+        switch; replay needs none here) from `kwargs`, and starts
         the full-model group (with `optimizer`, default AdamW). Raises ``ValueError`` for an
         unknown precision and a mesh that does not match the world."""
         _build.check_precision(mixed_precision)
@@ -66,6 +67,8 @@ class TrainableModel(abc.ABC):
         self.model_id = None if model_id is None else os.fspath(model_id)
         self.tokenizer_id = kwargs.pop("tokenizer_id", self.model_id)
         self._seed = kwargs.pop("seed", settings().seed)
+        # upstream's switch for routing replay: the core replays whenever asked, so nothing to do
+        kwargs.pop("enable_router_replay", None)
         group = _group.Group(processor=InputProcessor(self.device_mesh))
         if optimizer is not None:
             group.optimizer = optimizer

@@ -23,6 +23,7 @@ from twinkle.model._loss_inputs import with_loss_inputs
 from twinkle.processor import InputProcessor, unpack
 from twinkle.template import Template
 from twinkle_fn.data import IGNORE_INDEX
+from twinkle_fn.moe import ROUTED_EXPERTS
 
 Batch = dict[str, torch.Tensor]  # the core's batch: input_ids, labels, ... [batch, seq]
 
@@ -134,22 +135,89 @@ def outputs(
     temperature: float,
     return_logits: bool,
     disable_lora: bool = False,
+    record_routing: bool = False,
 ) -> ModelOutput:
     """The no-grad forward's ``logps`` ([n_seq, max_len]), ``loss``, ``num_tokens`` and,
-    when asked, ``logits``."""
+    when asked, ``logits`` and an MoE model's ``routed_experts`` ([n_seq, max_len,
+    moe_layers, top_k], `twinkle_fn.moe`)."""
     got = tf.token_logps(
         state,
         batch,
         temperature=temperature,
         return_logits=return_logits,
         disable_lora=disable_lora,
+        record_routing=record_routing,
     )
     logps, logits = got["logps"], got.get("logits")
     num_tokens = (batch["labels"] != IGNORE_INDEX).sum()
     out = ModelOutput(logps=unpack(logps, batch), **read_loss(-logps.sum(), num_tokens))
     if logits is not None:
         out["logits"] = logits
+    if record_routing:
+        out[ROUTED_EXPERTS] = unpack(got[ROUTED_EXPERTS], batch)
     return out
+
+
+REPLAY_ACTIONS = ("record", "replay_forward")
+
+
+def replay_action(action: Any) -> str | None:
+    """Upstream's ``router_replay_action`` (its ``RouterReplayAction`` enum, or the value's
+    string) as ``"record"`` / ``"replay_forward"``, or None. Raises ``ValueError`` for
+    another action."""
+    if action is None:
+        return None
+    value = getattr(action, "value", action)
+    if value not in REPLAY_ACTIONS:
+        raise ValueError(
+            f"router_replay_action must be one of {REPLAY_ACTIONS} (or upstream's "
+            f"RouterReplayAction.RECORD / REPLAY_FORWARD), got {action!r}"
+        )
+    return value
+
+
+def split_routing(inputs: Any) -> tuple[Any, list[torch.Tensor] | None]:
+    """`inputs` without their samples' ``routed_experts`` (each ``[len, moe_layers,
+    top_k]``, upstream's per-sample replay record) and those records, or None when the samples
+    carry none (a collated batch keeps its own: the core reads it)."""
+    if isinstance(inputs, Mapping) and not isinstance(inputs.get("input_ids"), torch.Tensor):
+        inputs = [inputs]
+    if not isinstance(inputs, Sequence) or not inputs or not isinstance(inputs[0], Mapping):
+        return inputs, None
+    if ROUTED_EXPERTS not in inputs[0]:
+        return inputs, None
+    records = [torch.as_tensor(f[ROUTED_EXPERTS]) for f in inputs]
+    return [{k: v for k, v in f.items() if k != ROUTED_EXPERTS} for f in inputs], records
+
+
+def with_routing(batch: Batch, records: list[torch.Tensor] | None) -> Batch:
+    """`batch` carrying the samples' replay `records` as the core's ``routed_experts``
+    (``[B, T, L, k]`` padded, ``[1, T, L, k]`` packed; rows of `batch` in the samples'
+    order). Raises ``ValueError`` when the records do not match the batch's samples."""
+    if records is None:
+        return batch
+    packed = "cu_seqlens" in batch
+    lengths = (
+        [int(b - a) for a, b in zip(batch["cu_seqlens"][:-1], batch["cu_seqlens"][1:], strict=True)]
+        if packed
+        else batch.get("attention_mask", torch.ones_like(batch["input_ids"])).sum(1).tolist()
+    )
+    got = [len(r) for r in records]
+    if len(got) != len(lengths) or any(g < n for g, n in zip(got, lengths, strict=False)):
+        raise ValueError(
+            f"the samples' routed_experts cover {got} tokens, the batch's samples {lengths}; "
+            "pass each sample's record of its tokens (a row of forward_only's routed_experts)"
+        )
+    # a row of forward_only's [n_seq, max_len, L, k] runs past its sample: padding
+    records = [r[:n] for r, n in zip(records, lengths, strict=True)]
+    tail = records[0].shape[1:]
+    if packed:
+        record = torch.cat(records)[None].long()  # [1, T, L, k]
+    else:
+        record = torch.zeros(*batch["input_ids"].shape, *tail, dtype=torch.int64)
+        for row, r in enumerate(records):
+            record[row, : len(r)] = r
+    return {**batch, ROUTED_EXPERTS: record}
 
 
 def requested_outputs(
@@ -190,3 +258,17 @@ def make_processor(
         kwargs.setdefault("device_mesh", device_mesh)
         return InputProcessor(**kwargs)
     raise ValueError(f"unknown processor {processor_cls!r}; use 'InputProcessor'")
+
+
+def take_routing(inputs: Any, action: Any, where: str) -> tuple[Any, list[torch.Tensor] | None]:
+    """`inputs` without their samples' ``routed_experts``, and those records when `action`
+    replays them (None otherwise). Raises ``ValueError`` for an unknown action, and for
+    ``RECORD`` in `where` ``"forward_backward"`` (record in ``forward_only``)."""
+    action = replay_action(action)
+    if action == "record" and where == "forward_backward":
+        raise ValueError(
+            "router_replay_action RECORD belongs to forward_only (its routed_experts output); "
+            "forward_backward replays them with REPLAY_FORWARD"
+        )
+    inputs, records = split_routing(inputs)
+    return inputs, records if action == "replay_forward" else None

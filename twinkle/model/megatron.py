@@ -257,6 +257,7 @@ class MegatronModel(TrainableModel):
         inputs: Any,
         micro_batch_size: int | None = None,
         adapter_name: str | None = None,
+        router_replay_action: Any = None,
         **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs` (megatron's schedule), adding the
@@ -274,15 +275,19 @@ class MegatronModel(TrainableModel):
         `TransformersModel` returns them; from the training forward itself, the same on every
         pipeline stage). Raises ``TypeError`` for a `micro_batch_size` with a collated batch,
         ``ValueError`` for a non-positive one, and before any compute as
-        `TransformersModel.forward_backward` for loss inputs.
+        `TransformersModel.forward_backward` for loss inputs. `router_replay_action`: as
+        `TransformersModel.forward_backward`'s.
         """
         g = self._resolve(adapter_name)
+        inputs, records = _inputs.take_routing(inputs, router_replay_action, "forward_backward")
         features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
         state = self._ensure_state(g)
         loss = g.loss.token_loss()
         runs = []
-        for i, chunk in enumerate(_inputs.chunks(features, micro_batch_size)):
-            batch = g.processor(chunk)
+        parts = _inputs.chunks(features, micro_batch_size)
+        recs = [None] * len(parts) if records is None else _inputs.chunks(records, micro_batch_size)
+        for i, (chunk, rec) in enumerate(zip(parts, recs, strict=True)):
+            batch = _inputs.with_routing(g.processor(chunk), rec)
             runs.append((batch, g.pending.add(state, batch, counts=i == 0, loss=loss)))
         # The runs' sums add up on the device; the call's numbers are read once, here.
         totals = _accumulate.read_loss(
@@ -296,19 +301,33 @@ class MegatronModel(TrainableModel):
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def forward_only(
-        self, *, inputs: Any, adapter_name: str | None = None, disable_lora: bool = False
+        self,
+        *,
+        inputs: Any,
+        adapter_name: str | None = None,
+        disable_lora: bool = False,
+        router_replay_action: Any = None,
     ) -> ModelOutput:
         """An evaluation forward (no gradient): this rank's token-mean ``loss``,
         ``num_tokens`` and ``logps`` (``[n_seq, max_len]``, as `forward_backward`), the same
         on every pipeline stage; ``calculate_metric(is_training=False)`` token-weights them
         over the data ranks. `disable_lora` computes with the base weights alone (upstream's
-        reference log-probs of a LoRA model)."""
+        reference log-probs of a LoRA model). `router_replay_action`: as
+        `TransformersModel.forward_only`'s (``RECORD`` adds ``routed_experts``)."""
+        action = _inputs.replay_action(router_replay_action)
+        inputs, records = _inputs.take_routing(inputs, action, "forward_only")
         g, batch = self._encode(adapter_name, inputs)
-        got = tf.token_logps(self._ensure_state(g), batch, disable_lora=disable_lora)
+        batch = _inputs.with_routing(batch, records)
+        record = action == "record"
+        got = tf.token_logps(
+            self._ensure_state(g), batch, disable_lora=disable_lora, record_routing=record
+        )
         out = ModelOutput(
             logps=unpack(got["logps"], batch),
             **_accumulate.read_loss(got["loss_sum"], got["num_tokens"]),
         )
+        if record:
+            out["routed_experts"] = unpack(got["routed_experts"], batch)
         _group.add_eval(g, out)
         _group.accumulate_metrics(g, lambda: batch, out, training=False)
         return out

@@ -141,6 +141,7 @@ class TransformersModel(TrainableModel):
         gradient_accumulation_steps: int | None = None,
         micro_batch_size: int | None = None,
         task: str = "causal_lm",
+        router_replay_action: Any = None,
         **loss_inputs: Any,
     ) -> ModelOutput:
         """Forward and backward on this rank's `inputs`, adding the gradients to the pending ones.
@@ -160,14 +161,21 @@ class TransformersModel(TrainableModel):
         lacks or cannot align (naming the loss, the input and the fix), and for a bad
         `micro_batch_size` (as `MegatronModel`'s), and ``ValueError`` for a `task` other than
         upstream's ``'causal_lm'`` (the next-token loss of `set_loss`).
+        `router_replay_action` ``REPLAY_FORWARD`` (upstream's ``RouterReplayAction``, or
+        ``"replay_forward"``) routes an MoE model's tokens to the experts each sample's
+        ``routed_experts`` (``[len, moe_layers, top_k]``, a row of `forward_only`'s record)
+        lists; without it the records are ignored, as upstream.
         """
         _check_task(task)
         g = self._resolve(adapter_name)
         _group.accumulation_steps(g, gradient_accumulation_steps)
+        inputs, records = _inputs.take_routing(inputs, router_replay_action, "forward_backward")
         features = _inputs.prepare(g, self.tokenizer_id, inputs, loss_inputs, self.device_mesh)
-        runs = [g.processor(c) for c in _inputs.chunks(features, micro_batch_size)]
+        parts = _inputs.chunks(features, micro_batch_size)
+        recs = [None] * len(parts) if records is None else _inputs.chunks(records, micro_batch_size)
+        runs = [_inputs.with_routing(g.processor(c), r) for c, r in zip(parts, recs, strict=True)]
         state = self._ensure_state(g)
-        batch = runs[0] if len(runs) == 1 else g.processor(features)
+        batch = runs[0] if len(runs) == 1 else _inputs.with_routing(g.processor(features), records)
         out = _inputs.requested_outputs(state, batch, temperature, return_logps, return_logits)
         sums = [
             g.pending.add(state, run, counts=i == 0, loss=g.loss.token_loss())
@@ -206,12 +214,27 @@ class TransformersModel(TrainableModel):
         return_logits: bool = False,
         temperature: float = 1.0,
         disable_lora: bool = False,
+        router_replay_action: Any = None,
     ) -> ModelOutput:
         """An evaluation forward (no gradient): ``logps``, ``loss``, ``num_tokens`` (and
-        ``logits`` if asked). `disable_lora` uses the base weights (reference log-probs)."""
+        ``logits`` if asked). `disable_lora` uses the base weights (reference log-probs).
+        `router_replay_action` ``RECORD`` also returns an MoE model's ``routed_experts``
+        ``[n_seq, max_len, moe_layers, top_k]`` (each token's experts per MoE layer, for a later
+        ``forward_backward(..., router_replay_action=REPLAY_FORWARD)``); ``REPLAY_FORWARD``
+        routes by the samples' ``routed_experts``."""
+        action = _inputs.replay_action(router_replay_action)
+        inputs, records = _inputs.take_routing(inputs, action, "forward_only")
         g, batch = self._encode(adapter_name, inputs)
+        batch = _inputs.with_routing(batch, records)
         state = self._ensure_state(g)
-        out = _inputs.outputs(state, batch, temperature, return_logits, disable_lora)
+        out = _inputs.outputs(
+            state,
+            batch,
+            temperature,
+            return_logits,
+            disable_lora,
+            record_routing=action == "record",
+        )
         g.last = (batch, out, False)
         _group.add_eval(g, out)
         _group.accumulate_metrics(g, lambda: batch, out, training=False)

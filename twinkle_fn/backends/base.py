@@ -81,7 +81,9 @@ class Backend(Protocol):
         `loss` None is the default cross entropy (the backend's fused kernel); a `TokenLoss`
         (already checked against `batch` and the model's head by
         `twinkle_fn.losses.check_loss`) runs on the per-token log-probabilities, and the
-        entropy when it needs it, in float32; on a value model, on the per-token values."""
+        entropy when it needs it, in float32; on a value model, on the per-token values.
+        An MoE model adds `twinkle_fn.moe.RouterPass.info` to the returned dict, trains the
+        model's router losses and replays a batch's ``routed_experts``."""
         ...
 
     def token_logps(
@@ -92,10 +94,12 @@ class Backend(Protocol):
         temperature: float,
         disable_lora: bool,
         return_logits: bool,
+        record_routing: bool,
     ) -> dict[str, torch.Tensor]:
         """Per-token ``log p(label)`` of `batch` without gradients: ``logps`` (float32, in
         `batch`'s layout, 0 where the label is -100), ``loss_sum``, ``num_tokens`` and, when
-        asked, ``logits``."""
+        asked, ``logits`` and an MoE model's ``routed_experts`` (`twinkle_fn.moe`); a batch's
+        ``routed_experts`` is replayed."""
         ...
 
     def token_values(

@@ -97,10 +97,13 @@ from twinkle_fn.backends.megatron.placement import (
     model_placement,
     place,
 )
+from twinkle_fn.backends.megatron.router import RouterRun
 from twinkle_fn.backends.megatron.train import forward_backward
 from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
+from twinkle_fn.moe import ROUTED_EXPERTS, ROUTER_TOKEN, RouterLoss, router_loss, with_token_field
 from twinkle_fn.optim import apply_updates, current_lr
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState, next_key
@@ -167,14 +170,8 @@ class MegatronBackend:
         Runs megatron's schedule without backward; the result is the same on every pipeline
         stage. Raises ``ValueError`` as `twinkle_fn.backends.megatron.micro_batch.micro_batches` does.
         """
-        placement = model_placement(state.model)
-        loss_sum, num_tokens, _ = forward_backward(
-            placement.chunks,
-            _micro_batches(placement, batch),
-            placement.hf_config.vocab_size,
-            forward_only=True,
-        )
-        return LossOutput(loss_sum, num_tokens)
+        out, _, _ = _forward_only(state, batch)
+        return out
 
     def fwd_bwd(
         self,
@@ -200,7 +197,11 @@ class MegatronBackend:
         """
         placement = model_placement(state.model)
         params = None if accum is None else _live(placement, accum, "fwd_bwd(accum=...)")
-        mbs = _micro_batches(placement, batch, () if loss is None else loss.fields)
+        batch, run = _router_run(state, batch, train=True)
+        fields = (() if loss is None else tuple(loss.fields)) + (
+            () if run is None else (ROUTER_TOKEN,)
+        )
+        mbs = _micro_batches(placement, batch, fields)
         if placement.overlap_grad_reduce:
             # A plain transform reads whole gradients: all-reduce them rather than scatter.
             all_reduce = not isinstance(state.opt_state, MegatronOptState)
@@ -213,15 +214,24 @@ class MegatronBackend:
         if params is None:
             params = {n: p.main_grad for n, p in state.params.items()}
             placement.live_grads = params
-        loss_sum, num_tokens, per_token = forward_backward(
-            placement.chunks, mbs, placement.hf_config.vocab_size, loss=loss, head=placement.head
-        )
+        try:
+            loss_sum, num_tokens, per_token = forward_backward(
+                placement.chunks,
+                mbs,
+                placement.hf_config.vocab_size,
+                loss=loss,
+                head=placement.head,
+                router=run,
+            )
+        finally:
+            routed = {} if run is None else run.end(mbs[0].labels.device)
         if placement.overlap_grad_reduce:
             grad_sync.finish_backward(placement.chunks)
         if placement.overlap_param_gather:
             param_sync.finish(placement.chunks)  # the forward waited for every gather
         key = "values" if placement.head == "value" else "logps"
         aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, key: _merged(batch, mbs, per_token)}
+        aux.update(routed)
         if accum is not None:
             loss_sum = accum.loss_sum + loss_sum
             num_tokens = accum.num_tokens + num_tokens
@@ -236,6 +246,7 @@ class MegatronBackend:
         temperature: float,
         disable_lora: bool,
         return_logits: bool,
+        record_routing: bool = False,
     ) -> dict[str, Tensor]:
         """See `evaluate_logps`; `disable_lora` computes with the base weights alone
         (`twinkle_fn.backends.megatron.lora_linear.adapters_off`). Raises ``ValueError`` for a
@@ -248,8 +259,11 @@ class MegatronBackend:
             )
         chunks = model_placement(state.model).chunks
         with adapters_off(chunks) if disable_lora else contextlib.nullcontext():
-            out, logps = evaluate_logps(state, batch)
-        return {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
+            out, logps, record = _forward_only(state, batch, record_routing=record_routing)
+        result = {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
+        if record is not None:
+            result[ROUTED_EXPERTS] = record
+        return result
 
     @torch.no_grad()
     def token_values(self, state: TrainState, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -428,12 +442,64 @@ def evaluate_logps(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[Loss
     `twinkle_fn.backends.megatron.micro_batch.micro_batches` does.
     """
     state.check_alive()
+    out, logps, _ = _forward_only(state, batch)
+    return out, logps
+
+
+@torch.no_grad()
+def _forward_only(
+    state: TrainState, batch: Mapping[str, Tensor], *, record_routing: bool = False
+) -> tuple[LossOutput, Tensor, Tensor | None]:
+    """`evaluate_logps`' results and, with `record_routing`, the routing record of an MoE
+    model (`twinkle_fn.moe`); a batch's ``routed_experts`` is replayed."""
     placement = model_placement(state.model)
-    mbs = _micro_batches(placement, batch)
-    loss_sum, num_tokens, logps = forward_backward(
-        placement.chunks, mbs, placement.hf_config.vocab_size, forward_only=True
+    batch, run = _router_run(state, batch, train=False, record_routing=record_routing)
+    mbs = _micro_batches(placement, batch, () if run is None else (ROUTER_TOKEN,))
+    try:
+        loss_sum, num_tokens, logps = forward_backward(
+            placement.chunks,
+            mbs,
+            placement.hf_config.vocab_size,
+            forward_only=True,
+            router=run,
+        )
+        record = run.recorded(batch) if run is not None and record_routing else None
+    finally:
+        if run is not None:
+            run.end(mbs[0].labels.device)
+    return LossOutput(loss_sum, num_tokens), _merged(batch, mbs, logps), record
+
+
+def _router_run(
+    state: TrainState, batch: Mapping[str, Tensor], *, train: bool, record_routing: bool = False
+) -> tuple[Mapping[str, Tensor], RouterRun | None]:
+    """`batch` with `twinkle_fn.moe.ROUTER_TOKEN` and the `RouterRun` of an MoE model (its
+    router losses when `train`), else `batch` and None. Raises ``ValueError`` for router
+    losses, replay or recording with pipeline parallelism, and as
+    `twinkle_fn.moe.with_token_field` does."""
+    placement = model_placement(state.model)
+    config = placement.hf_config
+    batch = with_token_field(config, batch)
+    if family(config).moe is None:
+        return batch, None
+    loss = router_loss(state.model.options, config) if train else RouterLoss()
+    replay = batch.get(ROUTED_EXPERTS)
+    if placement.mesh.pp > 1 and (loss.active or replay is not None or record_routing):
+        raise ValueError(
+            f"router losses, routing replay and recording need pp=1 on the megatron backend "
+            f"(the mesh has pp={placement.mesh.pp}: a micro-batch's router statistics are "
+            "summed between its forward and its backward); use pp=1, or "
+            "router_loss={'aux_coef': 0, 'z_coef': 0} without routed_experts"
+        )
+    run = RouterRun(
+        placement.module,
+        config,
+        loss,
+        record=replay,
+        record_routing=record_routing,
+        sequence_parallel=placement.mesh.sequence_parallel,
     )
-    return LossOutput(loss_sum, num_tokens), _merged(batch, mbs, logps)
+    return batch, run
 
 
 def _merged(batch: Mapping[str, Tensor], mbs: list[Any], logps: list[Tensor]) -> Tensor:

@@ -39,6 +39,7 @@ from twinkle_fn.backends.megatron.sharding import (
     vocab_multiple,
 )
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
 from twinkle_fn.tensor_specs import check_finite
 
@@ -55,6 +56,12 @@ _OWN_OPTIONS = (
     "grad_bucket_size",
     "compile_layers",
     "fp8",
+    "router_loss",
+)
+# megatron-core's own router losses: twinkle computes them (`twinkle_fn.moe`, the option
+# router_loss), the same on both backends, so megatron's stay off.
+_ROUTER_LOSS_FIELDS = MappingProxyType(
+    dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
 )
 # TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
 _FIXED_FIELDS = (
@@ -140,6 +147,8 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
             "adapters train); train the critic's full weights (drop the LoRA config)"
         )
     overrides = opts.overrides
+    if family(model.config).moe is not None:
+        overrides = {**overrides, **_ROUTER_LOSS_FIELDS}
     if getattr(model.module, "is_gradient_checkpointing", False):
         overrides = {**_FULL_RECOMPUTE, **overrides}
     _ensure_process_group(mesh)
@@ -222,6 +231,13 @@ def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
             f"option(s) {', '.join(fixed)} are set by the mesh and the megatron backend (tp, pp, "
             "cp, ep, etp and sequence_parallel from twinkle_fn.Mesh, precision from the model; "
             "virtual pipeline parallelism is not supported yet); drop them from the options"
+        )
+    native = sorted(set(options) & set(_ROUTER_LOSS_FIELDS))
+    if native:
+        raise ValueError(
+            f"option(s) {', '.join(native)} would turn on megatron-core's own router losses; "
+            "set option router_loss={'aux_coef': ..., 'aux_kind': 'hf' | 'megatron', "
+            "'z_coef': ...} instead (twinkle_fn.moe.RouterLoss: the same on both backends)"
         )
     overrides = {k: v for k, v in options.items() if k not in _OWN_OPTIONS}
     num = options.get("num_micro_batches", mesh.pp)

@@ -39,6 +39,7 @@ from twinkle_fn.backends.megatron.fused_loss import (
 )
 from twinkle_fn.backends.megatron.micro_batch import MicroBatch
 from twinkle_fn.backends.megatron.packed_rotary import with_rotary
+from twinkle_fn.backends.megatron.router import RouterRun
 from twinkle_fn.backends.megatron.token_terms import token_terms
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.losses import TokenInputs, TokenLoss
@@ -155,6 +156,14 @@ def _value_loss_sum(
     return out_sum, count, report
 
 
+def _finishing(router: RouterRun, loss_func: Any, *args: Any) -> Any:
+    """`loss_func`'s result, after `router` summed the micro-batch's router statistics (the
+    backward of its router losses needs them)."""
+    out = loss_func(*args)
+    router.finish_micro_batch(out[1])
+    return out
+
+
 def forward_backward(
     chunks: Sequence[torch.nn.Module],
     batches: Sequence[MicroBatch],
@@ -163,6 +172,7 @@ def forward_backward(
     forward_only: bool = False,
     loss: TokenLoss | None = None,
     head: str = "lm",
+    router: RouterRun | None = None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Run megatron-core's schedule over `batches`; ``(loss_sum, num_tokens, logps)``.
 
@@ -181,7 +191,9 @@ def forward_backward(
     (None) or a `TokenLoss`, computed on the last stage from `token_terms` and the micro-batches'
     ``fields`` (the loss sum and count are then the loss's own). A critic (`head` ``"value"``)
     returns its per-token values in place of ``logps``, and trains `loss` (a value loss) on
-    them; without a loss (forward only) its loss sum is 0. Raises ``ValueError`` when the
+    them; without a loss (forward only) its loss sum is 0. An MoE model's `router`
+    (`twinkle_fn.backends.megatron.router.RouterRun`) is told of each micro-batch before its
+    forward and of its loss's token count in its loss function. Raises ``ValueError`` when the
     config would normalise or reduce the gradients itself, or `batches` is empty.
     """
     config = get_model_config(chunks[0])
@@ -211,6 +223,9 @@ def forward_backward(
                 supervised_rows=mb.supervised_rows,
             )
             loss_func = functools.partial(_token_loss_sum, mb, loss)
+        if router is not None:
+            router.begin(mb.fields)
+            loss_func = functools.partial(_finishing, router, loss_func)
         out = model(
             mb.input_ids,
             mb.position_ids,

@@ -126,11 +126,14 @@ class TransformersBackend:
         temperature: float,
         disable_lora: bool,
         return_logits: bool,
+        record_routing: bool = False,
     ) -> dict[str, torch.Tensor]:
         """See `twinkle_fn.backends.transformers.logps.token_logps`. Raises ``ValueError``
         under ulysses."""
         _refuse_ulysses(state, "tf.token_logps")
-        out = logps.token_logps(state, batch, temperature, disable_lora, return_logits)
+        out = logps.token_logps(
+            state, batch, temperature, disable_lora, return_logits, record_routing
+        )
         fsdp.reshard(state.model)
         return out
 

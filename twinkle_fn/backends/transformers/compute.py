@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from twinkle_fn.backends.transformers import attention, linear_attention, ulysses
+from twinkle_fn.backends.transformers import attention, linear_attention, router, ulysses
 from twinkle_fn.backends.transformers.lm_head import loss_mode, terms_mode
 from twinkle_fn.data import IGNORE_INDEX
 from twinkle_fn.data.packing import packed_attention_mask
@@ -27,6 +27,7 @@ from twinkle_fn.losses.cross_entropy import accumulation_dtype
 from twinkle_fn.losses.token_loss import TokenInputs, apply_loss
 from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
+from twinkle_fn.moe import ROUTER_TOKEN, RouterPass, with_token_field
 from twinkle_fn.state import LCG_INC, Grads, TrainState
 from twinkle_fn.varlen_attention import block_causal_mask
 
@@ -211,7 +212,10 @@ def autocast(model: Model) -> contextlib.AbstractContextManager[object]:
 
 
 def loss_of(
-    state: TrainState, batch: Mapping[str, torch.Tensor], loss: TokenLoss | None = None
+    state: TrainState,
+    batch: Mapping[str, torch.Tensor],
+    loss: TokenLoss | None = None,
+    rp: RouterPass | None = None,
 ) -> LossOutput:
     """Token-summed loss of `batch` under `state` (differentiable w.r.t. its params).
 
@@ -221,12 +225,26 @@ def loss_of(
     lands where the device has no work queued behind it rather than mid-step. Another `loss`
     gets float32 per-token terms from the head in terms mode (no full logits either) and the
     batch fields it reads; on a value model it gets the per-token values (`token_values`).
+    An MoE model's routers feed `rp` (`twinkle_fn.backends.transformers.router`) and replay
+    ``batch["routed_experts"]`` when present.
     """
+    model = state.model
+    if ROUTER_TOKEN not in batch:
+        batch = with_token_field(model.config, batch)
+    batch = local_batch(model, batch)
+    # fwd_bwd's routing outlives the forward: checkpointed layers recompute in the backward
+    with router.routing(model, rp, batch, keep=rp is not None):
+        return _loss_of(state, batch, loss)
+
+
+def _loss_of(
+    state: TrainState, batch: Mapping[str, torch.Tensor], loss: TokenLoss | None
+) -> LossOutput:
+    """`loss_of` of a local batch."""
     model = state.model
     module = model.module
     bind(module, state.params, sharded=model.placement is not None)
     device = model.device
-    batch = local_batch(model, batch)
     if model.head == "value":
         return _value_loss_of(state, batch, loss)
     if loss is not None:
@@ -296,7 +314,9 @@ def fwd_bwd(
 
     `loss`: see `loss_of`. `accum` is consumed (its buffers become the result's); the caller
     handles donation. Returns the new `Grads` and ``{"loss_sum", "num_tokens"}`` of this
-    micro-batch alone (under ulysses: of this rank's slice of it).
+    micro-batch alone (under ulysses: of this rank's slice of it); an MoE model adds
+    `twinkle_fn.moe.RouterPass.info` (``expert_load``, and ``aux_loss`` / ``z_loss`` when
+    trained: their gradients join the loss's, weighted by this micro-batch's token count).
     """
     params = state.params
     micro_index = 0 if accum is None else accum.num_micro_batches
@@ -306,15 +326,21 @@ def fwd_bwd(
         # under ulysses this micro-batch's gradients are summed over the group before they join
         # `accum` (which holds sums already)
         p.grad = None if accum is None or group is not None else accum.params[name]
+    ls = state.loss_scale  # float16: scale up so small gradients do not underflow
+    rp = router.new_pass(state.model)
     try:
         with _seeded(state.rng, micro_index, state.model.device):
-            out = loss_of(state, batch, loss)
-        ls = state.loss_scale  # float16: scale up so small gradients do not underflow
+            out = loss_of(state, batch, loss, rp)
+        if rp is not None:
+            if ls is not None:
+                rp.grad_scale = lambda: float(ls.scale)
+            rp.finish(out.num_tokens.detach(), _dp_all_reduce(placement))
         (out.loss_sum if ls is None else out.loss_sum * float(ls.scale)).backward()
         grads = {n: _grad_like(p) for n, p in params.items()}
         if group is not None:
             grads = ulysses.sum_grads(grads, None if accum is None else accum.params, group)
     finally:
+        router.release(state.model)
         for p in params.values():
             p.grad = None
     loss_sum = out.loss_sum.detach()
@@ -323,7 +349,18 @@ def fwd_bwd(
         loss_sum = accum.loss_sum + loss_sum
         num_tokens = accum.num_tokens + num_tokens
     new = Grads(grads, loss_sum, num_tokens, num_micro_batches=micro_index + 1)
-    return new, {"loss_sum": out.loss_sum.detach(), "num_tokens": out.num_tokens.detach()}
+    info = {"loss_sum": out.loss_sum.detach(), "num_tokens": out.num_tokens.detach()}
+    if rp is not None:
+        info.update(rp.info())
+    return new, info
+
+
+def _dp_all_reduce(placement: Any) -> Any:
+    """An in-place sum over the ranks holding other tokens (None on one process)."""
+    group = None if placement is None else placement.dp_group
+    if group is None:
+        return None
+    return lambda t: torch.distributed.all_reduce(t, group=group)
 
 
 def _grad_like(p: torch.Tensor) -> torch.Tensor:
