@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -70,7 +71,9 @@ def _install(model: Model) -> list[torch.nn.Module]:
     if len(routers) != want:
         raise ValueError(
             f"found {len(routers)} MoE routers in this {model.family} model but its family has "
-            f"{want} MoE layers; router facts need one router per MoE layer"
+            f"{want} MoE layers; router losses, routing records and replay need one router "
+            f"module per MoE layer (transformers {transformers.__version__} exposes "
+            f"{len(routers)}): upgrade transformers, or use the megatron backend"
         )
     slot: list[_Context | None] = getattr(routers[0], _CTX, None) if routers else None
     if routers and slot is None:
@@ -126,17 +129,24 @@ def _replay_weights(model: Model) -> Callable[[Tensor, Tensor, torch.dtype], Ten
 
 
 def new_pass(model: Model, *, record: bool = False) -> RouterPass | None:
-    """A `RouterPass` for one forward of `model` (None for a dense model), hooks installed."""
+    """A `RouterPass` for one forward of `model`, hooks installed; None for a dense model, and
+    for an MoE model whose routers this transformers does not expose (older versions score some
+    families' routing inside the MoE block, not in a router module) when nothing but the
+    expert load was asked for: no router loss, no recording. Raises ``ValueError`` as
+    `_install` when a router loss or recording needs the routers."""
     moe = family(model.config).moe
     if moe is None:
         return None
-    routers = _install(model)
     cfg = model.config
+    loss = router_loss(model.options, cfg)
+    if not (record or loss.active) and not moe_routers(model.module):
+        return None
+    routers = _install(model)
     return RouterPass(
         len(routers),
         getattr(cfg, moe.num_experts),
         getattr(cfg, moe.top_k),
-        router_loss(model.options, cfg),
+        loss,
         moe.score,
         record=record,
     )
@@ -150,7 +160,7 @@ def routing(
     batch from `twinkle_fn.moe.with_token_field`), replaying ``batch["routed_experts"]`` when
     present. With `keep` the routing stays on after the block, for the backward's
     recomputation of checkpointed layers, until `release`."""
-    if ROUTER_TOKEN not in batch:
+    if ROUTER_TOKEN not in batch or (rp is None and ROUTED_EXPERTS not in batch):
         yield
         return
     routers = _install(model)

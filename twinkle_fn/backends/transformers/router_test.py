@@ -150,6 +150,24 @@ def test_bad_router_options_and_records_are_refused_before_any_compute():
         _run(_model(kind="switch"), batch)
 
 
+def test_routers_this_transformers_hides_cost_the_expert_load_only(monkeypatch):
+    """transformers 5.17 scores GLM-4 MoE's and DeepSeek-V3's routing inside the MoE block (no
+    router module records router_logits): training without router facts still works, with no
+    expert load; a router loss or a routing record is refused naming the version."""
+    from twinkle_fn.backends.transformers import router
+
+    monkeypatch.setattr(router, "moe_routers", lambda module: [])
+    batch = pad_collate(random_features(2, seed=3), pad_token_id=0)
+    off = {"aux_coef": 0.0, "z_coef": 0.0}
+    grads, aux = _run(_model(coefs=off, dtype=torch.float32), batch)
+    assert "expert_load" not in aux and all(bool(g.isfinite().all()) for g in grads.values())
+    with pytest.raises(ValueError, match=r"found 0 MoE routers.*upgrade transformers"):
+        _run(_model(dtype=torch.float32), batch)
+    state = tf.init(_model(coefs=off, dtype=torch.float32), tf.optim.sgd(1.0))
+    with pytest.raises(ValueError, match=r"found 0 MoE routers"):
+        tf.token_logps(state, batch, record_routing=True)
+
+
 MESHES = {"dp2xep2": {"dp": 2, "ep": 2}, "tp2": {"tp": 2}}
 
 
