@@ -14,7 +14,12 @@ from twinkle import DeviceMesh
 
 @pytest.fixture
 def restore_settings():
-    # initialize sets process-wide settings; give them back after the test
+    # initialize sets process-wide settings; give them back after the test. These tests are
+    # about a script's first call, in a process that has joined no process group: initialize
+    # takes a joined group's world over WORLD_SIZE, so a one-rank group that an earlier test on
+    # this xdist worker left behind is taken down first.
+    if dist.is_initialized():
+        dist.destroy_process_group()
     before = twinkle.infra.settings()
     yield
     twinkle.infra._SETTINGS[0] = before
