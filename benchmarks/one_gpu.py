@@ -94,6 +94,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import twinkle_fn as tf
 from benchmarks import throughput
+from benchmarks.profile_summary import format_summary, profile_steps
 from benchmarks.throughput import (
     Setup,
     Step,
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device,
         "model",
         activation_checkpointing=args.activation_checkpointing,
+        profile=args.profile,
         memory_budget=args.memory_budget,
     )
     if args.workload == "load":
@@ -253,7 +255,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["mfu"] = mfu(row["tokens_per_s"], flops_per_token(config, args.seq), peak)
         result["rows"][name] = row
         add_speedups(result["rows"])
-        print(f"{name}: {json.dumps(row)}", flush=True)
+        print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'profile'})}", flush=True)
+        if row.get("profile"):
+            print(f"  {format_summary(row['profile'])}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
     _print_table(result)
@@ -281,6 +285,7 @@ def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str,
                 torch.cuda.reset_peak_memory_stats(setup.device)
             timing = time_steps(step, warmup, steps, setup.device)
             peak = _peak_gib(setup.device)
+            profile = profile_steps(step) if setup.profile and setup.device.type == "cuda" else None
     except Exception as e:  # a failing row (out of memory) is a result, not a crash
         row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
     else:
@@ -293,6 +298,8 @@ def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str,
             "first_loss": timing.first_loss,
             "last_loss": timing.last_loss,
         }
+        if profile is not None:
+            row["profile"] = profile
     release(setup.device)
     return row
 
@@ -584,7 +591,9 @@ def _main_load(
         if row["status"] == "ok":
             row["gb_per_s"] = size / 1e9 / row["total_s"]
         result["rows"][name] = row
-        print(f"{name}: {json.dumps(row)}", flush=True)
+        print(f"{name}: {json.dumps({k: v for k, v in row.items() if k != 'profile'})}", flush=True)
+        if row.get("profile"):
+            print(f"  {format_summary(row['profile'])}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
     return result
@@ -761,6 +770,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="load: default /tmp/twinkle_<shape>_bf16")
     p.add_argument("--parity-steps", type=_positive_int, default=200, help="fp8_parity")
     p.add_argument("--parity-samples", type=_positive_int, default=512, help="fp8_parity")
+    p.add_argument("--profile", action="store_true", help="profile two steps per row (GPU)")
     p.add_argument("--json", default="one_gpu.json")
     return p
 

@@ -13,7 +13,8 @@ summarises the trace per step:
   streams overlap;
 - ``exposed_by_kernel``: ``exposed_comm_ms`` split by NCCL kernel name (which collective waits);
 - ``gaps``: the longest stretches with no kernel running (``at_ms`` from the first kernel,
-  ``ms``, and the kernels either side): where the GPU waits for the host.
+  ``ms``, and the kernels either side): where the GPU waits for the host;
+- ``top_kernels``: the kernel names with the most summed time, ms per step.
 """
 
 from __future__ import annotations
@@ -117,7 +118,16 @@ def summarise(kernels: list[dict[str, Any]], n: int) -> dict[str, Any]:
         "kernels_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
         "exposed_by_kernel": _exposed_by_kernel(kernels, is_comm, compute, n),
         "gaps": _gaps(kernels),
+        "top_kernels": _top_kernels(kernels, n),
     }
+
+
+def _top_kernels(kernels: list[dict[str, Any]], n: int, top: int = 10) -> dict[str, float]:
+    """ms per step of the `top` kernel names with the most summed time, most first."""
+    per_name: dict[str, float] = {}
+    for e in kernels:
+        per_name[e["name"]] = per_name.get(e["name"], 0.0) + e["dur"] / (1e3 * n)
+    return dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _exposed_by_kernel(
@@ -164,6 +174,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     exposed = [(k, v) for k, v in summary.get("exposed_by_kernel", {}).items() if v >= 0.05]
     if exposed:
         lines.append("exposed: " + ", ".join(f"{k[:60]} {v:.2f} ms" for k, v in exposed[:4]))
+    for name, ms in summary.get("top_kernels", {}).items():
+        lines.append(f"kernel {ms:7.2f} ms: {name[:110]}")
     for g in summary.get("gaps", []):
         lines.append(
             f"idle {g['ms']:.2f} ms at {g['at_ms']:.1f} ms: after {g['after'][:50]}, "

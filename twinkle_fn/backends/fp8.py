@@ -128,59 +128,85 @@ def quantise_reference(t: Tensor, dtype: torch.dtype, rowwise: bool) -> Tensor:
     return q.double() * s.double()
 
 
-def _scaled_mm(
-    a: Tensor,
-    b_t: Tensor,
-    a_dtype: torch.dtype,
-    rowwise: bool,
-    out_dtype: torch.dtype,
-    fast_accum: bool = False,
+def quantise_columns(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``quantise(t.T, dtype, rowwise=True)`` for `t` ``[rows, cols]``, bit for bit: ``q``
+    ``[cols, rows]`` and ``s`` ``[cols, 1]``. Reducing over `t`'s rows where it lies, before the
+    transpose, keeps the reduction's reads contiguous (the weight-gradient GEMM's operands are
+    scaled per column of the activation and of the output gradient, over every token)."""
+    amax = t.abs().amax(dim=0)  # [cols]
+    fmax = torch.finfo(dtype).max
+    up = torch.exp2(torch.floor(torch.log2(fmax / amax.float().clamp(min=_AMAX_FLOOR))))
+    q = (t.float() * up).clamp(-fmax, fmax).to(dtype)
+    return q.t().contiguous(), up.reciprocal().unsqueeze(1)
+
+
+def _gemm(
+    aq: Tensor, sa: Tensor, bq_t: Tensor, sb: Tensor, out_dtype: torch.dtype, fast: bool = False
 ) -> Tensor:
-    """``a @ b_t.T`` in float8: `a` ``[m, k]`` as `a_dtype` and `b_t` ``[n, k]`` as e4m3, each
-    quantised along k (per row when `rowwise`); ``[m, n]`` in `out_dtype`. `fast_accum`:
-    Hopper's faster fp8 accumulation, which keeps fewer bits; as torchao does, only the forward
-    GEMM takes it, gradients accumulate in full float32."""
-    aq, sa = quantise(a, a_dtype, rowwise)
-    bq, sb = quantise(b_t, E4M3, rowwise)
+    """``(aq * sa) @ (bq_t * sb).T`` on the scaled GEMM: `aq` ``[m, k]`` and `bq_t` ``[n, k]``
+    float8 (row-major), `sa` ``[m, 1]`` / ``[]`` and `sb` ``[n, 1]`` / ``[]``; ``[m, n]`` in
+    `out_dtype`. `fast`: Hopper's faster fp8 accumulation, which keeps fewer bits; as torchao
+    does, only the forward GEMM takes it, gradients accumulate in full float32."""
     return torch._scaled_mm(
         aq,
-        bq.t(),  # column-major [k, n], as the GEMM needs its second operand
+        bq_t.t(),  # column-major [k, n], as the GEMM needs its second operand
         scale_a=sa,
         scale_b=sb.t(),
         out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
+        use_fast_accum=fast,
     )
 
 
-def _pad_cols(t: Tensor) -> Tensor:
-    """`t` ``[rows, cols]`` with zero columns appended up to a multiple of `ALIGN`."""
-    extra = -t.shape[1] % ALIGN
-    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+def _pad_cols(q: Tensor) -> Tensor:
+    """Float8 `q` ``[rows, cols]`` with zero columns appended up to a multiple of `ALIGN` (padded
+    as bytes: float8 has no pad kernel, and 0x00 is +0.0 in both formats)."""
+    extra = -q.shape[1] % ALIGN
+    if not extra:
+        return q
+    return torch.nn.functional.pad(q.view(torch.uint8), (0, extra)).view(q.dtype)
 
 
 class _FP8Matmul(torch.autograd.Function):
-    """``x @ w.T`` with float8 operands in all three GEMMs (see the module docstring)."""
+    """``x @ w.T`` with float8 operands in all three GEMMs (see the module docstring).
+
+    Tensorwise, an operand's quantisation does not depend on which dimension a GEMM contracts,
+    so forward's quantised ``x`` and ``w`` are saved and reused (transposed) in backward, which
+    quantises only the output gradient. Rowwise, the weight-gradient GEMM contracts over tokens,
+    so it quantises ``x`` and the gradient again per column, and the input-gradient GEMM ``w``
+    per input feature: backward keeps ``x`` and ``w`` in the compute dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, recipe: str) -> Tensor:  # [m, k], [n, k] -> [m, n]
-        ctx.save_for_backward(x, w)
-        ctx.recipe = recipe
-        return _scaled_mm(x, w, E4M3, recipe == "rowwise", x.dtype, fast_accum=True)
+        rowwise = recipe == "rowwise"
+        xq, sx = quantise(x, E4M3, rowwise)
+        wq, sw = quantise(w, E4M3, rowwise)
+        ctx.rowwise, ctx.dtypes = rowwise, (x.dtype, w.dtype)
+        ctx.save_for_backward(*((x, w) if rowwise else (xq, sx, wq, sw)))
+        return _gemm(xq, sx, wq, sw, x.dtype, fast=True)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, w = ctx.saved_tensors
-        rowwise = ctx.recipe == "rowwise"
-        grad_dtype = E4M3 if rowwise else E5M2
-        grad = grad.contiguous()
+        x_dtype, w_dtype = ctx.dtypes
+        grad = grad.contiguous()  # [m, n]
         grad_x = grad_w = None
+        if ctx.rowwise:
+            x, w = ctx.saved_tensors
+            gq, sg = quantise(grad, E4M3, rowwise=True)
+            if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]: contracted over output features
+                wq_t, sw_t = quantise_columns(w, E4M3)
+                grad_x = _gemm(gq, sg, wq_t, sw_t, x_dtype)
+            if ctx.needs_input_grad[1]:  # [n, m] @ [m, k]: contracted over tokens
+                gq_t, sg_t = quantise_columns(grad, E4M3)
+                xq_t, sx_t = quantise_columns(x, E4M3)
+                grad_w = _gemm(_pad_cols(gq_t), sg_t, _pad_cols(xq_t), sx_t, w_dtype)
+            return grad_x, grad_w, None
+        xq, sx, wq, sw = ctx.saved_tensors
+        gq, sg = quantise(grad, E5M2, rowwise=False)
         if ctx.needs_input_grad[0]:
-            # [m, n] @ [n, k]: contracted over output features
-            grad_x = _scaled_mm(grad, w.t().contiguous(), grad_dtype, rowwise, x.dtype)
+            grad_x = _gemm(gq, sg, wq.t().contiguous(), sw, x_dtype)
         if ctx.needs_input_grad[1]:
-            # [n, m] @ [m, k]: contracted over tokens, padded to the GEMM's alignment
-            g_t, x_t = _pad_cols(grad.t().contiguous()), _pad_cols(x.t().contiguous())
-            grad_w = _scaled_mm(g_t, x_t, grad_dtype, rowwise, w.dtype)
+            gq_t, xq_t = _pad_cols(gq.t().contiguous()), _pad_cols(xq.t().contiguous())
+            grad_w = _gemm(gq_t, sg, xq_t, sx, w_dtype)
         return grad_x, grad_w, None
 
 
