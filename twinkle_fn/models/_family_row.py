@@ -219,6 +219,14 @@ ATTENTION_PLAN: Mapping[str, str] = MappingProxyType(
         "self_attn.o_proj": ROWWISE,
     }
 )
-MLP_PLAN: Mapping[str, str] = MappingProxyType(
-    {"mlp.gate_proj": COLWISE, "mlp.up_proj": COLWISE, "mlp.down_proj": ROWWISE}
-)
+
+
+def mlp_plan(mlp: str) -> Mapping[str, str]:
+    """The tp plan of the gated MLP at decoder-layer submodule `mlp` (a dense MLP, a shared
+    expert): ``gate_proj`` / ``up_proj`` split by channels, ``down_proj`` summed over them."""
+    return MappingProxyType(
+        {f"{mlp}.gate_proj": COLWISE, f"{mlp}.up_proj": COLWISE, f"{mlp}.down_proj": ROWWISE}
+    )
+
+
+MLP_PLAN = mlp_plan("mlp")

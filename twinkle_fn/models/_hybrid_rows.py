@@ -5,15 +5,25 @@ from __future__ import annotations
 
 from twinkle_fn.models._family_row import (
     ATTENTION_PLAN,
-    COLWISE,
     MLP_PLAN,
-    ROWWISE,
     Family,
     LinearAttention,
     Moe,
     SharedExpert,
+    mlp_plan,
 )
 from twinkle_fn.models._layer_rules import every_layer, typed_layers
+
+# Qwen3.5's Gated DeltaNet layers, where layer_types says "linear_attention", and their linears,
+# which stay whole under tp (see qwen3_5_text).
+_DELTANET = LinearAttention(layers=typed_layers("linear_attention"), module="linear_attn")
+_DELTANET_WHOLE = (
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    "linear_attn.out_proj",
+)
 
 QWEN3_5_TEXT = Family(
     name="qwen3_5_text",
@@ -22,13 +32,7 @@ QWEN3_5_TEXT = Family(
     # so it splits by heads; a DeltaNet's fused q/k/v rows and depthwise convolution do
     # not split per head that way: its linears stay whole (tp_whole).
     tp_plan={**ATTENTION_PLAN, **MLP_PLAN},
-    tp_whole=(
-        "linear_attn.in_proj_qkv",
-        "linear_attn.in_proj_z",
-        "linear_attn.in_proj_b",
-        "linear_attn.in_proj_a",
-        "linear_attn.out_proj",
-    ),
+    tp_whole=_DELTANET_WHOLE,
     qkv_bias="attention_bias",
     o_bias="attention_bias",
     mlp_bias=False,
@@ -40,7 +44,7 @@ QWEN3_5_TEXT = Family(
     # a DeltaNet layer is outside the sequence-parallel plan (it needs the whole sequence)
     sequence_parallel=False,
     megatron=None,
-    linear_attention=LinearAttention(layers=typed_layers("linear_attention"), module="linear_attn"),
+    linear_attention=_DELTANET,
     norm_offset=True,
     attention_gate=True,
 )
@@ -52,17 +56,9 @@ QWEN3_5_MOE_TEXT = Family(
     # that splits like a dense MLP; its sigmoid gate ([1, hidden]) stays whole.
     tp_plan={
         **ATTENTION_PLAN,
-        "mlp.shared_expert.gate_proj": COLWISE,
-        "mlp.shared_expert.up_proj": COLWISE,
-        "mlp.shared_expert.down_proj": ROWWISE,
+        **mlp_plan("mlp.shared_expert"),
     },
-    tp_whole=(
-        "linear_attn.in_proj_qkv",
-        "linear_attn.in_proj_z",
-        "linear_attn.in_proj_b",
-        "linear_attn.in_proj_a",
-        "linear_attn.out_proj",
-    ),
+    tp_whole=_DELTANET_WHOLE,
     qkv_bias="attention_bias",
     o_bias="attention_bias",
     mlp_bias=False,
@@ -95,7 +91,7 @@ QWEN3_5_MOE_TEXT = Family(
         "dense MLP only: an MoE block with a gated shared expert after a DeltaNet is not "
         "built, nor bridged, yet"
     ),
-    linear_attention=LinearAttention(layers=typed_layers("linear_attention"), module="linear_attn"),
+    linear_attention=_DELTANET,
     norm_offset=True,
     attention_gate=True,
     packed_rows=(

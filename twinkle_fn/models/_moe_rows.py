@@ -10,6 +10,7 @@ from twinkle_fn.models._family_row import (
     Family,
     Moe,
     SharedExpert,
+    mlp_plan,
 )
 from twinkle_fn.models._layer_rules import (
     after_first_k_dense,
@@ -51,9 +52,7 @@ QWEN2_MOE = Family(
     # ([1, hidden]) and the routed experts stay whole.
     tp_plan={
         **ATTENTION_PLAN,
-        "mlp.shared_expert.gate_proj": COLWISE,
-        "mlp.shared_expert.up_proj": COLWISE,
-        "mlp.shared_expert.down_proj": ROWWISE,
+        **mlp_plan("mlp.shared_expert"),
     },
     qkv_bias="qkv_bias",
     o_bias=False,
@@ -109,6 +108,31 @@ MIXTRAL = Family(
     megatron=None,
 )
 
+# DeepSeek-V3's MoE block, GLM-4 MoE's too: after the first dense layers, sigmoid scores with
+# an expert bias that only chooses experts, grouped routing, scaled weights, and ungated shared
+# experts of n_shared_experts experts' size.
+_DEEPSEEK_MOE = Moe(
+    layers=after_first_k_dense,
+    router="mlp.gate",
+    experts="mlp.experts",
+    expert_linears=("gate_proj", "up_proj", "down_proj"),
+    num_experts="n_routed_experts",
+    top_k="num_experts_per_tok",
+    ffn="moe_intermediate_size",
+    renormalize="norm_topk_prob",
+    shared=SharedExpert(
+        mlp="mlp.shared_experts",
+        linears=("gate_proj", "up_proj", "down_proj"),
+        ffn=n_shared_experts_ffn,
+        gate=None,
+    ),
+    score="sigmoid",
+    expert_bias="e_score_correction_bias",
+    groups="n_group",
+    group_topk="topk_group",
+    scale="routed_scaling_factor",
+)
+
 GLM4_MOE = Family(
     name="glm4_moe",
     # the first_k_dense_replace dense layers split their MLP, the MoE layers their shared
@@ -116,35 +140,13 @@ GLM4_MOE = Family(
     tp_plan={
         **ATTENTION_PLAN,
         **MLP_PLAN,
-        "mlp.shared_experts.gate_proj": COLWISE,
-        "mlp.shared_experts.up_proj": COLWISE,
-        "mlp.shared_experts.down_proj": ROWWISE,
+        **mlp_plan("mlp.shared_experts"),
     },
     qkv_bias="attention_bias",
     o_bias=False,
     mlp_bias=False,
     qk_norm="use_qk_norm",
-    moe=Moe(
-        layers=after_first_k_dense,
-        router="mlp.gate",
-        experts="mlp.experts",
-        expert_linears=("gate_proj", "up_proj", "down_proj"),
-        num_experts="n_routed_experts",
-        top_k="num_experts_per_tok",
-        ffn="moe_intermediate_size",
-        renormalize="norm_topk_prob",
-        shared=SharedExpert(
-            mlp="mlp.shared_experts",
-            linears=("gate_proj", "up_proj", "down_proj"),
-            ffn=n_shared_experts_ffn,
-            gate=None,
-        ),
-        score="sigmoid",
-        expert_bias="e_score_correction_bias",
-        groups="n_group",
-        group_topk="topk_group",
-        scale="routed_scaling_factor",
-    ),
+    moe=_DEEPSEEK_MOE,
     mask_mapping=False,
     sliding_window=None,
     # partial rotary (rope_parameters' partial_rotary_factor): the first channels of each
@@ -165,36 +167,14 @@ DEEPSEEK_V3 = Family(
         "self_attn.kv_b_proj": COLWISE,
         "self_attn.o_proj": ROWWISE,
         **MLP_PLAN,
-        "mlp.shared_experts.gate_proj": COLWISE,
-        "mlp.shared_experts.up_proj": COLWISE,
-        "mlp.shared_experts.down_proj": ROWWISE,
+        **mlp_plan("mlp.shared_experts"),
     },
     tp_whole=("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
     qkv_bias=False,
     o_bias="attention_bias",
     mlp_bias=False,
     qk_norm=False,
-    moe=Moe(
-        layers=after_first_k_dense,
-        router="mlp.gate",
-        experts="mlp.experts",
-        expert_linears=("gate_proj", "up_proj", "down_proj"),
-        num_experts="n_routed_experts",
-        top_k="num_experts_per_tok",
-        ffn="moe_intermediate_size",
-        renormalize="norm_topk_prob",
-        shared=SharedExpert(
-            mlp="mlp.shared_experts",
-            linears=("gate_proj", "up_proj", "down_proj"),
-            ffn=n_shared_experts_ffn,
-            gate=None,
-        ),
-        score="sigmoid",
-        expert_bias="e_score_correction_bias",
-        groups="n_group",
-        group_topk="topk_group",
-        scale="routed_scaling_factor",
-    ),
+    moe=_DEEPSEEK_MOE,
     mask_mapping=False,
     sliding_window=None,
     # rope_interleave (default True): neighbouring channels of the rotary part are pairs
