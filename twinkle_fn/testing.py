@@ -7,7 +7,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -188,6 +188,20 @@ def run_triton_interpreted(code: str, *args: str) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_within_float8_rounding(reference: Sequence[float], losses: Sequence[float]) -> None:
+    """Check a float8 run's per-step `losses` against the float32 run's `reference`: each step
+    within 1% relative (float8 rounding of the GEMM operands, as the fp8 tests measure it), and
+    some step more than 1e-6 apart (more than float32 rounding: the float8 path ran).
+
+    Raises ``AssertionError`` naming the step when a bound fails, ``ValueError`` when the runs
+    have different lengths.
+    """
+    for step, (a, b) in enumerate(zip(reference, losses, strict=True)):
+        assert abs(a - b) <= 1e-2 * abs(a), f"step {step}: loss {b}, float32 {a}: over 1% apart"
+    gap = max(abs(a - b) for a, b in zip(reference, losses, strict=True))
+    assert gap > 1e-6, f"the losses are {gap} apart at most: the float8 path did not run"
 
 
 @contextlib.contextmanager

@@ -313,17 +313,10 @@ def fused_linear_cross_entropy_sum(
             one row per token.
     """
     _validate(hidden, weight, bias, chunk_size)
-    validate_labels(
-        labels, hidden.shape[:-1], weight.shape[0], ignore_index, against="hidden [..., hidden]"
+    flat_labels, supervised_rows = _labels_and_rows(
+        labels, hidden, weight, ignore_index, supervised_rows
     )
-    if labels.device != hidden.device:
-        raise ValueError(f"labels are on {labels.device} but hidden is on {hidden.device}")
-    flat_labels = labels.reshape(-1)
     supervised = flat_labels != ignore_index
-    if supervised_rows is None:
-        supervised_rows = supervised.nonzero().squeeze(1)
-    else:
-        _validate_rows(supervised_rows, hidden, flat_labels.numel())
     loss_sum, token_losses = _FusedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
@@ -335,6 +328,26 @@ def fused_linear_cross_entropy_sum(
     if return_token_losses:
         return TokenLossOutput(loss_sum, supervised.sum(), token_losses.view(labels.shape))
     return LossOutput(loss_sum, supervised.sum())
+
+
+def _labels_and_rows(
+    labels: Tensor, hidden: Tensor, weight: Tensor, ignore_index: int, rows: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(labels [N], supervised rows [n])`` for `hidden` ``[..., hidden]``: the labels
+    flattened after checking them against `hidden` and `weight` ``[vocab, hidden]``
+    (`validate_labels`, and their device), and `rows` checked (`_validate_rows`), or when None
+    the indices of the labels other than `ignore_index`. Raises ``ValueError`` as those checks do.
+    """
+    validate_labels(
+        labels, hidden.shape[:-1], weight.shape[0], ignore_index, against="hidden [..., hidden]"
+    )
+    if labels.device != hidden.device:
+        raise ValueError(f"labels are on {labels.device} but hidden is on {hidden.device}")
+    flat = labels.reshape(-1)
+    if rows is None:
+        return flat, (flat != ignore_index).nonzero().squeeze(1)
+    _validate_rows(rows, hidden, flat.numel())
+    return flat, rows
 
 
 def _validate_rows(rows: Tensor, hidden: Tensor, num_tokens: int) -> None:

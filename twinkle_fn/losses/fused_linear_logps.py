@@ -39,13 +39,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from twinkle_fn.losses.cross_entropy import accumulation_dtype, validate_labels
+from twinkle_fn.losses.cross_entropy import accumulation_dtype
 from twinkle_fn.losses.fused_linear_ce import (
     DEFAULT_CHUNK_SIZE,
     _accumulate_weight_grad,
     _kernel_applies,
+    _labels_and_rows,
     _validate,
-    _validate_rows,
 )
 
 
@@ -255,16 +255,7 @@ def fused_linear_token_logps(
         or temperature <= 0
     ):
         raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-    validate_labels(
-        labels, hidden.shape[:-1], weight.shape[0], ignore_index, against="hidden [..., hidden]"
-    )
-    if labels.device != hidden.device:
-        raise ValueError(f"labels are on {labels.device} but hidden is on {hidden.device}")
-    flat = labels.reshape(-1)
-    if supervised_rows is None:
-        supervised_rows = (flat != ignore_index).nonzero().squeeze(1)
-    else:
-        _validate_rows(supervised_rows, hidden, flat.numel())
+    flat, supervised_rows = _labels_and_rows(labels, hidden, weight, ignore_index, supervised_rows)
     logps, entropy = _FusedLinearLogps.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,

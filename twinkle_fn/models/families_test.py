@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.core_model_loading import revert_weight_conversion
 
 import twinkle_fn as tf
 from twinkle_fn.data import pack
@@ -31,14 +30,6 @@ _BIASES = {
     "o": ("self_attn.o_proj.bias",),
     "mlp": ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"),
 }
-# Configs whose MoE layers differ: sparse steps and dense layers (fields other families ignore).
-_MOE_CASES = [
-    {},
-    {"num_hidden_layers": 4, "decoder_sparse_step": 2},
-    {"num_hidden_layers": 4, "mlp_only_layers": [0, 3]},
-    {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1]},
-    {"num_experts": 0},
-]
 
 
 def _module(config: PretrainedConfig) -> torch.nn.Module:
@@ -94,49 +85,6 @@ def test_the_plan_splits_real_linears_and_sequence_parallelism_needs_a_rowwise_m
     assert row.sequence_parallel == (rowwise_mlp and row.moe is None and planned)
     if row.moe is not None:  # experts stay whole under tp
         assert not any(s.startswith(row.moe.experts) for s in row.tp_plan)
-
-
-@pytest.mark.parametrize("case", _MOE_CASES, ids=lambda c: str(c) or "default")
-@pytest.mark.parametrize("name", FAMILIES)
-def test_the_moe_layer_rule_is_what_transformers_builds(name, case):
-    """Read in the checkpoint names (transformers renames and fuses experts in memory)."""
-    row = family(name)
-    config = tiny_config(name, **case)
-    if row.moe is not None and not getattr(config, row.moe.num_experts) and row.moe.layers(config):
-        pytest.skip(f"{name} has no dense form: every layer is MoE whatever the expert count")
-    on_disk = revert_weight_conversion(_module(config), _module(config).state_dict())
-    experts = row.moe.experts if row.moe else "mlp.experts"
-    built = tuple(
-        i
-        for i in range(config.num_hidden_layers)
-        if any(n.startswith(f"model.layers.{i}.{experts}.") for n in on_disk)
-    )
-    assert row.moe_layers(config) == built
-    if row.moe is None or not built:
-        return
-    # the names the bridge reads: the router, one tensor per expert linear on disk, the sizes
-    layer = f"model.layers.{built[-1]}."
-    n_experts = getattr(config, row.moe.num_experts)
-    assert on_disk[f"{layer}{row.moe.router}.weight"].shape == (n_experts, config.hidden_size)
-    assert 0 < getattr(config, row.moe.top_k) <= n_experts
-    ffn = getattr(config, row.moe.ffn)
-    gate, up, down = (
-        on_disk[f"{layer}{row.moe.experts}.{n_experts - 1}.{linear}.weight"]
-        for linear in row.moe.expert_linears
-    )
-    assert gate.shape == up.shape == (ffn, config.hidden_size)
-    assert down.shape == (config.hidden_size, ffn)
-    shared = row.moe.shared
-    mlp_like = {n for n in on_disk if ".mlp." in n and ".experts." not in n and "gate." not in n}
-    if shared is None:  # no MLP tensor beside the router and experts
-        assert not {n for n in mlp_like if n.startswith(layer)}
-        return
-    ffn = shared.size(config)
-    gate, up, down = (on_disk[f"{layer}{shared.mlp}.{n}.weight"] for n in shared.linears)
-    assert gate.shape == up.shape == (ffn, config.hidden_size)
-    assert down.shape == (config.hidden_size, ffn)
-    if shared.gate is not None:
-        assert on_disk[f"{layer}{shared.gate}.weight"].shape == (1, config.hidden_size)
 
 
 @pytest.mark.parametrize("on", [False, True])
@@ -220,20 +168,6 @@ def test_latent_attention_is_what_transformers_builds(name):
     layers = _module(tiny_config(name)).model.layers
     latent = [_has(layer, "self_attn.kv_a_proj_with_mqa") for layer in layers]
     assert latent == [family(name).latent_attention] * len(layers)
-
-
-def test_rows_refuse_values_no_backend_reads():
-    row = family("qwen2")
-    with pytest.raises(ValueError, match="tp_plan styles"):
-        dataclasses.replace(row, tp_plan={"self_attn.q_proj": "diagonal"})
-    with pytest.raises(ValueError, match="rope 'alibi'"):
-        dataclasses.replace(row, rope="alibi")
-    with pytest.raises(ValueError, match="o_bias=''"):
-        dataclasses.replace(row, o_bias="")
-    with pytest.raises(ValueError, match="bias part 'lm_head'"):
-        row.has_bias("lm_head", tiny_config("qwen2"))
-    with pytest.raises(TypeError):
-        row.tp_plan["mlp.up_proj"] = ROWWISE
 
 
 def test_unknown_families_are_refused_naming_the_field_and_the_known_ones():

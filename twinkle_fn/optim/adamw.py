@@ -100,14 +100,7 @@ def adamw(
         mu, nu = tree_leaves(state.mu), tree_leaves(state.nu)
         step_lr = lr_at(lr, state.count)
         t = int(state.count) + 1
-        step = _Step(
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            step_size=-(step_lr / (1 - b1**t)),
-            bc2_sqrt=(1 - b2**t) ** 0.5,
-            decay_scale=-step_lr * weight_decay,
-        )
+        step = AdamWStep.at(step_lr, t, b1, b2, eps, weight_decay)
         p: list[torch.Tensor | None] = [None] * len(g)
         if weight_decay:
             decay, leaves = decay_targets(mask, params, state.mu, "adamw")
@@ -130,8 +123,9 @@ def adamw(
     return GradientTransformation(init, update, next_lr)
 
 
-class _Step(NamedTuple):
-    """One update's host-side scalars (float64 here; the kernels round them to float32)."""
+class AdamWStep(NamedTuple):
+    """One AdamW update's host-side scalars (float64 here; the kernels round them to float32),
+    shared by `adamw` and `twinkle_fn.optim.adamw_bf16`."""
 
     b1: float
     b2: float
@@ -139,6 +133,13 @@ class _Step(NamedTuple):
     step_size: float  # -lr / (1 - b1**t)
     bc2_sqrt: float  # sqrt(1 - b2**t)
     decay_scale: float  # -lr * weight_decay
+
+    @classmethod
+    def at(
+        cls, lr: float, t: int, b1: float, b2: float, eps: float, weight_decay: float
+    ) -> AdamWStep:
+        """The scalars of update `t` (1 for the first) at learning rate `lr`."""
+        return cls(b1, b2, eps, -(lr / (1 - b1**t)), (1 - b2**t) ** 0.5, -lr * weight_decay)
 
 
 def _pick(idx: list[int], *columns: list) -> list[list]:
@@ -150,7 +151,7 @@ def _foreach_step(
     ms: list[torch.Tensor],
     vs: list[torch.Tensor],
     ps: list[torch.Tensor | None],
-    step: _Step,
+    step: AdamWStep,
 ) -> None:
     """The step on one foreach group (one type, device, dtype), as ``torch.optim.AdamW(foreach=True)``
     computes it: the reference for the kernel and the path everywhere it does not run."""
@@ -194,7 +195,7 @@ def _kernel_step(
     ms: list[torch.Tensor],
     vs: list[torch.Tensor],
     ps: list[torch.Tensor | None],
-    step: _Step,
+    step: AdamWStep,
 ) -> None:
     from twinkle_fn.optim import _adamw_kernel
 

@@ -42,6 +42,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from twinkle_fn import _triton
+from twinkle_fn.optim.adamw import AdamWStep
 from twinkle_fn.optim.base import (
     GradientTransformation,
     Params,
@@ -130,9 +131,7 @@ def adamw_bf16(
         decay = decay_targets(mask, params, state.mu, "adamw_bf16")[0] if weight_decay else None
         step_lr = lr_at(lr, state.count)
         t = int(state.count) + 1
-        step = _Step(
-            b1, b2, eps, -step_lr / (1 - b1**t), (1 - b2**t) ** 0.5, -step_lr * weight_decay
-        )
+        step = AdamWStep.at(step_lr, t, b1, b2, eps, weight_decay)
         g, mu, nu, p = local_operands(g, mu, nu, p)
         generators: dict[torch.device, torch.Generator] = {}
         with torch.no_grad():
@@ -162,15 +161,6 @@ def adamw_bf16(
     return GradientTransformation(init, update, next_lr)
 
 
-class _Step(NamedTuple):
-    b1: float
-    b2: float
-    eps: float
-    step_size: float  # -lr / (1 - b1**t)
-    bc2_sqrt: float  # sqrt(1 - b2**t)
-    decay_scale: float  # -lr * weight_decay
-
-
 def _mix(seed: int, count: int) -> int:
     """A 63-bit generator seed from (seed, update count): a splitmix64 finalizer, so that
     neighbouring counts give unrelated streams."""
@@ -197,7 +187,7 @@ def _kernel_step(
     m: torch.Tensor,
     v: torch.Tensor,
     p: torch.Tensor,
-    step: _Step,
+    step: AdamWStep,
     decayed: bool,
     key: int,
 ) -> None:
@@ -247,7 +237,7 @@ def _chunk_step(
     m: torch.Tensor,
     v: torch.Tensor,
     p: torch.Tensor,
-    step: _Step,
+    step: AdamWStep,
     decayed: bool,
     gen: torch.Generator,
 ) -> None:

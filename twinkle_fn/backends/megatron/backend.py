@@ -58,55 +58,43 @@ code that reads ``state.params`` directly between a `step` and the next forward.
 
 Dropout draws from megatron-core's RNG streams, seeded once when megatron's parallel state is
 initialised (seed 0); the state's ``rng`` key advances with every step but does not reseed them.
+
+`MegatronBackend` runs the forward and backward in `twinkle_fn.backends.megatron.compute` and
+the optimizer step in `twinkle_fn.backends.megatron.step`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
 from peft import LoraConfig
 from torch import Tensor
 
 from twinkle_fn.backends.megatron import (
+    compute,
     dist_checkpoint,
     export,
-    grad_sync,
     lora,
-    param_sync,
     sharding,
+    step,
     weights,
 )
-from twinkle_fn.backends.megatron.lora_linear import adapters_off
-from twinkle_fn.backends.megatron.micro_batch import merge_logps, micro_batches
-from twinkle_fn.backends.megatron.optimizer import (
-    MegatronOptState,
-    megatron_optimizer,
-    megatron_update,
-)
+from twinkle_fn.backends.megatron.compute import evaluate_logps
+from twinkle_fn.backends.megatron.optimizer import MegatronOptState, megatron_optimizer
 from twinkle_fn.backends.megatron.placement import (
     PLACEMENT_ATTR,
     MegatronPlacement,
     model_placement,
     place,
 )
-from twinkle_fn.backends.megatron.router import RouterRun
-from twinkle_fn.backends.megatron.train import forward_backward
 from twinkle_fn.losses import LossOutput, TokenLoss
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
-from twinkle_fn.moe import ROUTED_EXPERTS, ROUTER_TOKEN, RouterLoss, router_loss, with_token_field
-from twinkle_fn.optim import apply_updates, current_lr
-from twinkle_fn.pytree import tree_global_norm
-from twinkle_fn.state import Grads, TrainState, next_key
+from twinkle_fn.state import Grads, TrainState
 from twinkle_fn.tensor_specs import TensorSpec
 
 __all__ = [
@@ -165,13 +153,8 @@ class MegatronBackend:
         return {n: p for n, p in placement.module.named_parameters() if p.requires_grad}
 
     def loss_of(self, state: TrainState, batch: Mapping[str, Tensor]) -> LossOutput:
-        """Token-summed loss and supervised-token count of `batch` (forward only, no graph).
-
-        Runs megatron's schedule without backward; the result is the same on every pipeline
-        stage. Raises ``ValueError`` as `twinkle_fn.backends.megatron.micro_batch.micro_batches` does.
-        """
-        out, _, _ = _forward_only(state, batch)
-        return out
+        """See `twinkle_fn.backends.megatron.compute.loss_of`."""
+        return compute.loss_of(state, batch)
 
     def fwd_bwd(
         self,
@@ -180,63 +163,8 @@ class MegatronBackend:
         accum: Grads | None,
         loss: TokenLoss | None,
     ) -> tuple[Grads, dict[str, Tensor]]:
-        """Token-sum gradients of `batch`, accumulated in the DDP grad buffers.
-
-        `loss` None is the default cross entropy (fused at tp 1); a `TokenLoss` runs on the last
-        stage over `twinkle_fn.backends.megatron.token_terms`, its batch fields carried by every
-        micro-batch. Without `accum` the buffers are zeroed first; with it, `accum` must be the `Grads` that
-        owns them (the latest one, donated). Returns `Grads` whose tensors are views of the
-        buffers and this call's ``loss_sum`` / ``num_tokens`` and ``logps`` (per-token
-        ``log p(label)`` in `batch`'s layout, see `evaluate_logps`; a critic's are ``values``,
-        its per-token values before the update). The views hold this rank's
-        unreduced sums with ``overlap_grad_reduce=False``; with it (the default) the sums over
-        data ranks on the part of each buffer this rank's optimizer reads (its shard under
-        `megatron_optimizer`, all of it under a plain transform) and scratch elsewhere.
-        Raises ``ValueError`` for a stale or copied `accum`, or a malformed batch;
-        ``RuntimeError`` as `twinkle_fn.backends.megatron.grad_sync.finish_backward` does.
-        """
-        placement = model_placement(state.model)
-        params = None if accum is None else _live(placement, accum, "fwd_bwd(accum=...)")
-        batch, run = _router_run(state, batch, train=True)
-        fields = (() if loss is None else tuple(loss.fields)) + (
-            () if run is None else (ROUTER_TOKEN,)
-        )
-        mbs = _micro_batches(placement, batch, fields)
-        if placement.overlap_grad_reduce:
-            # A plain transform reads whole gradients: all-reduce them rather than scatter.
-            all_reduce = not isinstance(state.opt_state, MegatronOptState)
-            grad_sync.begin_backward(
-                placement.chunks, accumulate=accum is not None, all_reduce=all_reduce
-            )
-        elif accum is None:
-            for chunk in placement.chunks:
-                chunk.zero_grad_buffer()
-        if params is None:
-            params = {n: p.main_grad for n, p in state.params.items()}
-            placement.live_grads = params
-        try:
-            loss_sum, num_tokens, per_token = forward_backward(
-                placement.chunks,
-                mbs,
-                placement.hf_config.vocab_size,
-                loss=loss,
-                head=placement.head,
-                router=run,
-            )
-        finally:
-            routed = {} if run is None else run.end(mbs[0].labels.device)
-        if placement.overlap_grad_reduce:
-            grad_sync.finish_backward(placement.chunks)
-        if placement.overlap_param_gather:
-            param_sync.finish(placement.chunks)  # the forward waited for every gather
-        key = "values" if placement.head == "value" else "logps"
-        aux = {"loss_sum": loss_sum, "num_tokens": num_tokens, key: _merged(batch, mbs, per_token)}
-        aux.update(routed)
-        if accum is not None:
-            loss_sum = accum.loss_sum + loss_sum
-            num_tokens = accum.num_tokens + num_tokens
-        done = 0 if accum is None else accum.num_micro_batches
-        return Grads(params, loss_sum, num_tokens, num_micro_batches=done + len(mbs)), aux
+        """See `twinkle_fn.backends.megatron.compute.fwd_bwd`."""
+        return compute.fwd_bwd(state, batch, accum, loss)
 
     def token_logps(
         self,
@@ -248,42 +176,19 @@ class MegatronBackend:
         return_logits: bool,
         record_routing: bool = False,
     ) -> dict[str, Tensor]:
-        """See `evaluate_logps`; `disable_lora` computes with the base weights alone
-        (`twinkle_fn.backends.megatron.lora_linear.adapters_off`). Raises ``ValueError`` for a
-        temperature other than 1 or logits, which megatron's fused loss path does not give."""
-        if temperature != 1.0 or return_logits:
-            raise ValueError(
-                "the megatron backend gives log-probs at temperature 1, without logits (asked: "
-                f"temperature={temperature}, return_logits={return_logits}); use the "
-                "transformers backend"
-            )
-        chunks = model_placement(state.model).chunks
-        with adapters_off(chunks) if disable_lora else contextlib.nullcontext():
-            out, logps, record = _forward_only(state, batch, record_routing=record_routing)
-        result = {"logps": logps, "loss_sum": out.loss_sum, "num_tokens": out.num_tokens}
-        if record is not None:
-            result[ROUTED_EXPERTS] = record
-        return result
-
-    @torch.no_grad()
-    def token_values(self, state: TrainState, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """A critic's per-token values of `batch`: megatron's schedule without backward, the
-        values of the last stage's `twinkle_fn.backends.megatron.model.ValueHead` broadcast to
-        every stage and merged back into `batch`'s layout (``[B, T]`` padded, ``[1, T]``
-        packed; float32, 0 where the label is -100), the same on every pipeline stage and
-        context-parallel rank of a data shard, and ``num_tokens``. A collective over the
-        model's ranks. Raises ``ValueError`` as
-        `twinkle_fn.backends.megatron.micro_batch.micro_batches` does."""
-        placement = model_placement(state.model)
-        mbs = _micro_batches(placement, batch)
-        _, num_tokens, values = forward_backward(
-            placement.chunks,
-            mbs,
-            placement.hf_config.vocab_size,
-            forward_only=True,
-            head=placement.head,
+        """See `twinkle_fn.backends.megatron.compute.token_logps`."""
+        return compute.token_logps(
+            state,
+            batch,
+            temperature=temperature,
+            disable_lora=disable_lora,
+            return_logits=return_logits,
+            record_routing=record_routing,
         )
-        return {"values": _merged(batch, mbs, values), "num_tokens": num_tokens}
+
+    def token_values(self, state: TrainState, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """See `twinkle_fn.backends.megatron.compute.token_values`."""
+        return compute.token_values(state, batch)
 
     def optimizer(self, lr: Any, **hyper: Any) -> Any:
         """See `twinkle_fn.backends.megatron.optimizer.megatron_optimizer`."""
@@ -298,46 +203,8 @@ class MegatronBackend:
         )
 
     def update(self, state: TrainState, grads: Grads) -> tuple[TrainState, dict[str, Any]]:
-        """Finish reducing `grads`, divide by every data rank's tokens, apply the optimizer.
-
-        Returns the new state and ``info`` with ``loss``, ``grad_norm`` (before clipping; NaN
-        when an fp16 overflow skipped the update), ``num_tokens`` and ``lr``. Raises
-        ``ValueError`` for stale grads, grads reduced for another kind of optimizer, or a
-        non-megatron transform on a mesh that splits parameters.
-        """
-        placement = model_placement(state.model)
-        _live(placement, grads, "step")
-        opt = state.opt_state
-        if not isinstance(opt, MegatronOptState):
-            _check_whole_params(placement.mesh)
-        if placement.overlap_grad_reduce and any(
-            c.force_all_reduce == isinstance(opt, MegatronOptState) for c in placement.chunks
-        ):
-            raise ValueError(
-                "these gradients were reduced for another optimizer kind (fwd_bwd ran with a "
-                "state whose optimizer differs from this one's); step with the same state"
-            )
-        placement.live_grads = None
-        totals = torch.stack([grads.loss_sum.double(), grads.num_tokens.double()])
-        # Over data ranks only: fwd_bwd's totals already sum the context-parallel ranks.
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-        loss_sum, num_tokens = totals[0], totals[1].long()
-        if isinstance(opt, MegatronOptState):
-            grad_norm, opt = megatron_update(placement, opt, num_tokens)
-        else:
-            grad_norm, opt = _transform_update(state, placement, grads, num_tokens)
-        if placement.overlap_param_gather:
-            # a plain transform updated whole parameters on every rank: nothing to gather
-            sync = param_sync.start if isinstance(opt, MegatronOptState) else param_sync.finish
-            sync(placement.chunks)
-        new = state.replace(opt_state=opt, step=state.step + 1, rng=next_key(state.rng))
-        info = {
-            "loss": (loss_sum / num_tokens.clamp(min=1)).float(),
-            "grad_norm": grad_norm,
-            "num_tokens": num_tokens,
-            "lr": current_lr(opt),
-        }
-        return new, info
+        """See `twinkle_fn.backends.megatron.step.update`."""
+        return step.update(state, grads)
 
     def after_eval(self, model: Model) -> None:
         """Nothing to release: megatron's forward keeps no gathered parameters."""
@@ -428,131 +295,3 @@ class MegatronBackend:
     ) -> Iterator[list[tuple[str, Tensor]]]:
         """See `twinkle_fn.backends.megatron.export.export_weights`."""
         return export.export_weights(state, dtype, bucket_bytes, lora)
-
-
-@torch.no_grad()
-def evaluate_logps(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[LossOutput, Tensor]:
-    """``tf.evaluate`` of a megatron state that also returns the per-token log-probabilities.
-
-    Runs megatron's schedule without backward. Returns the token-summed loss and supervised
-    token count, and ``logps`` float32 in `batch`'s own layout (``[B, T]`` padded, ``[1, T]``
-    packed): ``log p(label)`` of each token, 0 where the label is -100, the same on every
-    pipeline stage and context-parallel rank of a data shard. A collective over the model's
-    ranks. Raises ``DonatedError`` for a donated state, ``ValueError`` as
-    `twinkle_fn.backends.megatron.micro_batch.micro_batches` does.
-    """
-    state.check_alive()
-    out, logps, _ = _forward_only(state, batch)
-    return out, logps
-
-
-@torch.no_grad()
-def _forward_only(
-    state: TrainState, batch: Mapping[str, Tensor], *, record_routing: bool = False
-) -> tuple[LossOutput, Tensor, Tensor | None]:
-    """`evaluate_logps`' results and, with `record_routing`, the routing record of an MoE
-    model (`twinkle_fn.moe`); a batch's ``routed_experts`` is replayed."""
-    placement = model_placement(state.model)
-    batch, run = _router_run(state, batch, train=False, record_routing=record_routing)
-    mbs = _micro_batches(placement, batch, () if run is None else (ROUTER_TOKEN,))
-    try:
-        loss_sum, num_tokens, logps = forward_backward(
-            placement.chunks,
-            mbs,
-            placement.hf_config.vocab_size,
-            forward_only=True,
-            router=run,
-        )
-        record = run.recorded(batch) if run is not None and record_routing else None
-    finally:
-        if run is not None:
-            run.end(mbs[0].labels.device)
-    return LossOutput(loss_sum, num_tokens), _merged(batch, mbs, logps), record
-
-
-def _router_run(
-    state: TrainState, batch: Mapping[str, Tensor], *, train: bool, record_routing: bool = False
-) -> tuple[Mapping[str, Tensor], RouterRun | None]:
-    """`batch` with `twinkle_fn.moe.ROUTER_TOKEN` and the `RouterRun` of an MoE model (its
-    router losses when `train`), else `batch` and None. Raises ``ValueError`` for router
-    losses, replay or recording with pipeline parallelism, and as
-    `twinkle_fn.moe.with_token_field` does."""
-    placement = model_placement(state.model)
-    config = placement.hf_config
-    batch = with_token_field(config, batch)
-    if family(config).moe is None:
-        return batch, None
-    loss = router_loss(state.model.options, config) if train else RouterLoss()
-    replay = batch.get(ROUTED_EXPERTS)
-    if placement.mesh.pp > 1 and (loss.active or replay is not None or record_routing):
-        raise ValueError(
-            f"router losses, routing replay and recording need pp=1 on the megatron backend "
-            f"(the mesh has pp={placement.mesh.pp}: a micro-batch's router statistics are "
-            "summed between its forward and its backward); use pp=1, or "
-            "router_loss={'aux_coef': 0, 'z_coef': 0} without routed_experts"
-        )
-    run = RouterRun(
-        placement.module,
-        config,
-        loss,
-        record=replay,
-        record_routing=record_routing,
-        sequence_parallel=placement.mesh.sequence_parallel,
-    )
-    return batch, run
-
-
-def _merged(batch: Mapping[str, Tensor], mbs: list[Any], logps: list[Tensor]) -> Tensor:
-    group = parallel_state.get_context_parallel_group()
-    return merge_logps(batch, mbs, logps, cp_group=group if group.size() > 1 else None)
-
-
-def _micro_batches(
-    placement: MegatronPlacement, batch: Mapping[str, Tensor], fields: Sequence[str] = ()
-) -> list[Any]:
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    return micro_batches(
-        batch,
-        placement.num_micro_batches,
-        seq_multiple=placement.seq_multiple,
-        cp_size=placement.mesh.cp,
-        cp_rank=parallel_state.get_context_parallel_rank(),
-        device=device,
-        fields=fields,
-    )
-
-
-def _live(placement: MegatronPlacement, grads: Grads, where: str) -> dict[str, Tensor]:
-    if grads.params is not placement.live_grads:
-        raise ValueError(
-            f"{where} got gradients that no longer own megatron's grad buffers (a later fwd_bwd "
-            "or step reused them, or they are a copy); pass the Grads of the latest fwd_bwd, "
-            "donated (donate=True)"
-        )
-    return grads.params
-
-
-def _check_whole_params(mesh: Mesh) -> None:
-    if mesh.tp > 1 or mesh.pp > 1 or mesh.ep > 1:
-        raise ValueError(
-            f"a twinkle_fn.optim transform needs whole parameters on every rank, but {mesh} "
-            "splits them (its global norm would see only local shards); use "
-            "twinkle_fn.backends.megatron.megatron_optimizer(...)"
-        )
-
-
-def _transform_update(
-    state: TrainState, placement: MegatronPlacement, grads: Grads, num_tokens: Tensor
-) -> tuple[Tensor, Any]:
-    finalize_model_grads(placement.chunks, force_all_reduce=True)
-    for chunk in placement.chunks:
-        chunk.scale_gradients(1.0 / num_tokens.clamp(min=1).double())
-    g = {n: t.to(state.params[n].dtype) for n, t in grads.params.items()}
-    grad_norm = tree_global_norm(g)
-    updates, opt = state.tx.update(g, state.opt_state, state.params)
-    apply_updates(state.params, updates)
-    return grad_norm, opt

@@ -181,6 +181,17 @@ def unpad_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t[:rows]
 
 
+def _check_gated_groups(rows: torch.Tensor, what: str, heads_per_group: int, head_dim: int) -> None:
+    """Refuse `rows` that are not whole groups of `heads_per_group` (query, gate) heads
+    (`what` begins the message: the tensor and its verb)."""
+    _check_positive(heads_per_group=heads_per_group, head_dim=head_dim)
+    if rows.shape[0] % (2 * heads_per_group * head_dim):
+        raise ValueError(
+            f"{what} {rows.shape[0]} rows, not whole groups of {heads_per_group} "
+            f"heads x (query, gate) x head_dim {head_dim}"
+        )
+
+
 def group_query_gate(q_proj: torch.Tensor, heads_per_group: int, head_dim: int) -> torch.Tensor:
     """A gated ``q_proj`` (HF's Qwen3.5: each head's query, then its gate) with its rows per
     query group as megatron's gated ``linear_qkv`` takes them: the group's queries, then its
@@ -189,12 +200,7 @@ def group_query_gate(q_proj: torch.Tensor, heads_per_group: int, head_dim: int) 
     q_proj: ``[heads * 2 * head_dim, *rest]`` -> the same shape. Raises ``ValueError`` when the
     rows are not whole groups of `heads_per_group` gated heads.
     """
-    _check_positive(heads_per_group=heads_per_group, head_dim=head_dim)
-    if q_proj.shape[0] % (2 * heads_per_group * head_dim):
-        raise ValueError(
-            f"gated q_proj has {q_proj.shape[0]} rows, not whole groups of {heads_per_group} "
-            f"heads x (query, gate) x head_dim {head_dim}"
-        )
+    _check_gated_groups(q_proj, "gated q_proj has", heads_per_group, head_dim)
     rest = q_proj.shape[1:]
     grouped = q_proj.reshape(-1, heads_per_group, 2, head_dim, *rest).transpose(1, 2)
     return grouped.reshape(q_proj.shape)
@@ -205,12 +211,7 @@ def interleave_query_gate(
 ) -> torch.Tensor:
     """HF's gated ``q_proj`` rows from megatron's per-group ``[queries; gates]`` (inverse of
     `group_query_gate`). Raises like it."""
-    _check_positive(heads_per_group=heads_per_group, head_dim=head_dim)
-    if grouped.shape[0] % (2 * heads_per_group * head_dim):
-        raise ValueError(
-            f"gated queries have {grouped.shape[0]} rows, not whole groups of {heads_per_group} "
-            f"heads x (query, gate) x head_dim {head_dim}"
-        )
+    _check_gated_groups(grouped, "gated queries have", heads_per_group, head_dim)
     rest = grouped.shape[1:]
     heads = grouped.reshape(-1, 2, heads_per_group, head_dim, *rest).transpose(1, 2)
     return heads.reshape(grouped.shape)

@@ -29,13 +29,9 @@ from torch import Tensor
 
 from twinkle_fn.backends.buckets import Bucket, buckets
 from twinkle_fn.backends.megatron.bridge import _join, _layout, _slots, join_shards
-from twinkle_fn.backends.megatron.lora import (
-    _hf_modules,
-    expert_factor_name,
-    expert_factors_to_peft,
-    layer_linears,
-)
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
+from twinkle_fn.backends.megatron.lora_peft import expert_factor_name, expert_factors_to_peft
+from twinkle_fn.backends.megatron.lora_targets import hf_modules, layer_linears
 from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
 from twinkle_fn.backends.megatron.weights import checkpoint_tensors, settle
 from twinkle_fn.lora import PEFT_PREFIX
@@ -187,7 +183,7 @@ def _adapter(placement: MegatronPlacement, stage: int, dtype: torch.dtype) -> Na
             rule = rules[layer][key]
             prefix = f"decoder.layers.{local}.{key}."
             a, b = (params[prefix + f"lora_{f}.weight"].detach().to(dtype) for f in "AB")
-            modules = _hf_modules(rule, layer)
+            modules = hf_modules(rule, layer)
             names_a = [f"{m}.lora_A.weight" for m in modules]
             names_b = [f"{m}.lora_B.weight" for m in modules]
             if rule.tp_dim == 0:  # column: A replicated, B split like the base weight
