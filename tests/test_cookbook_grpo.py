@@ -5,12 +5,27 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from twinkle_fn.backends.megatron import parallel
 
 COOKBOOK = Path(__file__).resolve().parent.parent / "cookbook" / "grpo.py"
 
 
+@pytest.fixture
+def no_leak():
+    """Take down the one-rank process group and the megatron state a one-process megatron run
+    starts in this process: later tests on this xdist worker (tests/upstream_compat's
+    initialize) read a joined group's world."""
+    had = dist.is_initialized()
+    yield
+    parallel.destroy()
+    if dist.is_initialized() and not had:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("backend", ["transformers", "megatron"])
-def test_grpo_raises_the_mean_reward(backend):
+def test_grpo_raises_the_mean_reward(backend, no_leak):
     """Fixed seeds: the digit fraction of held-out samples goes from ~0.10 to ~0.50 in 10
     steps of one PPO epoch with the KL term on (about 5 s of CPU per backend)."""
     spec = importlib.util.spec_from_file_location("grpo_cookbook", COOKBOOK)

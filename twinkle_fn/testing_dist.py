@@ -3,6 +3,12 @@
 `spawn(fn, world_size, *args)` starts `world_size` processes, initialises torch.distributed in
 each (gloo, on a free loopback port) and returns the per-rank return values in rank order. A
 failure on any rank is re-raised in the caller with that rank's traceback.
+
+On a CPU-only machine ranks are forked from a fork server that imported twinkle_fn and its
+dependencies once (per calling process): a fresh interpreter per rank spent ~5 s of CPU on those
+imports before its first line of test code, most of a tiny-model test's time on a 2-core CI
+runner. Forking from the server, not from the caller, keeps each rank free of the caller's state
+(process group, patched modules, threads), as a spawned interpreter was.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -24,6 +31,18 @@ import torch.multiprocessing as mp
 # connection (other tests' gloo sockets) between this check and the rendezvous binding it.
 _PORTS = range(20000, 32000)
 _ATTEMPTS = 3
+# What ranks import anyway: the harness (twinkle_fn), the test modules' pytest, the facade, the
+# transformers backend, and torch's inductor and C++ extension modules, most of megatron-core's
+# import time. Not megatron-core itself: importing it changes how every tensor pickles
+# (``megatron.core.safe_globals``), which a transformers-only rank must not inherit.
+_PRELOAD = (
+    "twinkle_fn.testing_dist",
+    "twinkle_fn.backends.transformers.backend",
+    "twinkle",
+    "pytest",
+    "torch._inductor.compile_fx",
+    "torch.utils.cpp_extension",
+)
 
 
 def free_port() -> int:
@@ -63,11 +82,15 @@ class _PortTaken(RuntimeError):
 def _spawn_once(
     fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, queue, args), daemon=False)
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, queue, args, dict(os.environ)),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -94,7 +117,22 @@ def _spawn_once(
     return [results[r] for r in range(world_size)]
 
 
-def _worker(fn, rank, world_size, port, queue, args) -> None:
+def _context() -> Any:
+    """The multiprocessing context `spawn` starts ranks in: on a CPU-only machine a fork server
+    with the imports every rank needs done once (a process it starts gets the server's
+    environment; `spawn` hands each rank the caller's). A CUDA machine keeps a fresh interpreter
+    per rank: an import in the server that queried the CUDA driver would leave forked ranks a
+    driver they cannot use."""
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
+
+
+def _worker(fn, rank, world_size, port, queue, args, environ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),

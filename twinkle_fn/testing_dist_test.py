@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,3 +44,18 @@ def test_a_rendezvous_port_taken_meanwhile_is_retried(monkeypatch):
         assert spawn(_all_reduce_rank, 2) == [(0, 3.0), (1, 3.0)]
     finally:
         taken.close()
+
+
+def _environment_and_modules(name):
+    import sys
+
+    return os.environ.get(name), "megatron.core" in sys.modules
+
+
+def test_each_rank_sees_the_callers_environment_of_now_and_no_megatron(monkeypatch):
+    """Ranks fork from a server started at the first spawn: a variable set since then still
+    reaches them, and none has megatron-core imported (it changes how tensors pickle) unless its
+    function imports it."""
+    spawn(_all_reduce_rank, 2)  # the fork server runs
+    monkeypatch.setenv("TWINKLE_TESTING_DIST_PROBE", "now")
+    assert spawn(_environment_and_modules, 2, "TWINKLE_TESTING_DIST_PROBE") == [("now", False)] * 2
