@@ -84,8 +84,14 @@ def rms_norm_offset(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @functools.cache
 def _compiled_rms_norm(offset: bool = False) -> Callable[[Tensor, Tensor, float], Tensor]:
     """`rms_norm` (`rms_norm_offset` if `offset`) compiled into one forward and one backward
-    kernel (compiled on first call)."""
-    return torch.compile(rms_norm_offset if offset else rms_norm, fullgraph=True)
+    kernel (compiled on first call).
+
+    Every norm in the process shares this function, and each new dtype, eps, grad mode or
+    ``requires_grad`` of its inputs compiles it again: one process holding several models (an
+    actor, a reference, a critic; a test session) can pass dynamo's recompile limit (8). Without
+    ``fullgraph=True`` a call past the limit runs the eager norm (same values) instead of
+    raising ``FailOnRecompileLimitHit``; the function has no graph break to guard against."""
+    return torch.compile(rms_norm_offset if offset else rms_norm)
 
 
 class RMSNorm(torch.nn.Module):

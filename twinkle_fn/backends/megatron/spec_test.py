@@ -38,6 +38,16 @@ def test_rms_norm_matches_transformers_and_marks_sequence_parallel():
         RMSNorm(_config(normalization="LayerNorm"), 16)
 
 
+def test_the_compiled_norm_past_dynamo_s_recompile_limit_runs_eager_instead_of_raising():
+    """One compiled norm serves every model in the process; past dynamo's recompile limit (here
+    1, by default 8: a GPU test session reached it) a new eps runs the eager norm, same values."""
+    x, w = torch.randn(3, 8), torch.rand(8)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for eps in (1e-5, 1e-6, 1e-4):
+            got = spec._compiled_rms_norm()(x, w, eps)
+            torch.testing.assert_close(got, spec.rms_norm(x, w, eps), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the norm is compiled on CUDA only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_rms_norm_matches_the_eager_one_forward_and_backward(dtype):
