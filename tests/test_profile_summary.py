@@ -70,7 +70,10 @@ def test_summary_of_two_steps():
             "before": "gemm_a",
         }
     ]
+    assert list(s["top_kernels"]) == ["gemm_a", "ncclAllReduce", "triton_b"]
+    assert s["top_kernels"]["triton_b"] == pytest.approx(2e-3)
     text = ps.format_summary(s)
+    assert "kernel    0.00 ms: gemm_a" in text
     assert "busy 90%" in text and "exposed: ncclAllReduce 0.00 ms" not in text
     assert "idle 0.00 ms at 0.0 ms: after triton_b, before gemm_a" in text
 
