@@ -13,7 +13,10 @@ lm_head left out):
   on the transformers backend (frozen base in bf16, float32 adapters), clipping at 1.0;
 - ``twinkle_transformers_compiled``: the same with ``compile_layers`` (GPU only);
 - ``twinkle_megatron`` / ``twinkle_megatron_compiled``: the same on the megatron backend with
-  its ``megatron_optimizer``.
+  its ``megatron_optimizer``;
+- ``twinkle_transformers_compiled_fp8`` / ``twinkle_megatron_compiled_fp8``: the compiled rows
+  with ``fp8="tensorwise"``: the frozen base linears' forward and input-gradient GEMMs in
+  float8 (GPU only).
 
 ``--workload full`` (full fine-tuning, clipping at 1.0):
 
@@ -154,6 +157,8 @@ WORKLOADS = MappingProxyType(
             "twinkle_transformers_compiled",
             "twinkle_megatron",
             "twinkle_megatron_compiled",
+            "twinkle_transformers_compiled_fp8",
+            "twinkle_megatron_compiled_fp8",
         ),
         "full": (
             "twinkle_transformers_adamw",
@@ -428,6 +433,19 @@ def _twinkle_megatron_compiled(setup: OneGpuSetup) -> Iterator[Step]:
         yield twinkle_step(setup, "megatron", _adamw("megatron"), _compiled(setup), lora=True)
 
 
+@contextlib.contextmanager
+def _twinkle_transformers_compiled_fp8(setup: OneGpuSetup) -> Iterator[Step]:
+    options = {**_compiled(setup), "fp8": "tensorwise"}
+    yield twinkle_step(setup, "transformers", _adamw("transformers"), options, lora=True)
+
+
+@contextlib.contextmanager
+def _twinkle_megatron_compiled_fp8(setup: OneGpuSetup) -> Iterator[Step]:
+    options = {**_compiled(setup), "fp8": "tensorwise"}
+    with megatron_world(setup.device):
+        yield twinkle_step(setup, "megatron", _adamw("megatron"), options, lora=True)
+
+
 # --- full fine-tuning rows ------------------------------------------------------------------
 
 _NO_MASTERS = {"master_weights": False}
@@ -502,6 +520,8 @@ _ROWS = MappingProxyType(
         "twinkle_transformers_compiled": _twinkle_transformers_compiled,
         "twinkle_megatron": _twinkle_megatron,
         "twinkle_megatron_compiled": _twinkle_megatron_compiled,
+        "twinkle_transformers_compiled_fp8": _twinkle_transformers_compiled_fp8,
+        "twinkle_megatron_compiled_fp8": _twinkle_megatron_compiled_fp8,
         "twinkle_transformers_adamw": _full_transformers_adamw,
         "twinkle_transformers_adamw_bf16": _full_transformers_adamw_bf16,
         "twinkle_transformers_adamw_bf16_compiled": _full_transformers_adamw_bf16_compiled,

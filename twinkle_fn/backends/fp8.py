@@ -39,9 +39,10 @@ after tensor parallelism splits it) multiples of 16, as the GEMM requires. The t
 free: the weight-gradient GEMM, which contracts over tokens, pads them with zero rows to a
 multiple of 16 (zeros add nothing to the product and leave every scale unchanged).
 
-A linear whose weight does not train (a LoRA base, frozen) keeps its compute-dtype matmul: FP8
-speeds up training GEMMs of trained weights; a frozen base is stored in the compute dtype and
-its forward and input-gradient GEMMs stay as they are.
+A frozen linear (a LoRA base) runs its forward and input-gradient GEMMs in float8 too, and has
+no weight-gradient GEMM; backward then keeps only the weight (`_FP8Matmul`). Those two GEMMs are
+most of a LoRA step's work; the adapters' rank-r factors are too small for float8 to pay and
+keep the compute dtype.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ class _FP8Matmul(torch.autograd.Function):
     so forward's quantised ``x`` and ``w`` are saved and reused (transposed) in backward, which
     quantises only the output gradient. Rowwise, the weight-gradient GEMM contracts over tokens,
     so it quantises ``x`` and the gradient again per column, and the input-gradient GEMM ``w``
-    per input feature: backward keeps ``x`` and ``w`` in the compute dtype."""
+    per input feature: backward keeps ``x`` and ``w`` in the compute dtype. Either way backward
+    keeps only what its gradients need: no input for a frozen weight (a LoRA base)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, recipe: str) -> Tensor:  # [m, k], [n, k] -> [m, n]
@@ -185,7 +187,12 @@ class _FP8Matmul(torch.autograd.Function):
         xq, sx = quantise(x, E4M3, rowwise)
         wq, sw = quantise(w, E4M3, rowwise)
         ctx.rowwise, ctx.dtypes = rowwise, (x.dtype, w.dtype)
-        ctx.save_for_backward(*((x, w) if rowwise else (xq, sx, wq, sw)))
+        # The input gradient needs the weight, the weight gradient the input: a frozen weight
+        # (a LoRA base) keeps no input for backward.
+        kept_x, kept_w = ((x, None), (w, None)) if rowwise else ((xq, sx), (wq, sw))
+        need_x, need_w = ctx.needs_input_grad[:2]
+        nothing = (None, None)
+        ctx.save_for_backward(*(kept_x if need_w else nothing), *(kept_w if need_x else nothing))
         return _gemm(xq, sx, wq, sw, x.dtype, fast=True)
 
     @staticmethod
@@ -193,10 +200,10 @@ class _FP8Matmul(torch.autograd.Function):
         x_dtype, w_dtype = ctx.dtypes
         grad = grad.contiguous()  # [m, n]
         grad_x = grad_w = None
+        x, sx, w, sw = ctx.saved_tensors  # float8 and scales tensorwise, the inputs rowwise
         if ctx.rowwise:
-            x, w = ctx.saved_tensors
-            gq, sg = quantise(grad, E4M3, rowwise=True)
             if ctx.needs_input_grad[0]:  # [m, n] @ [n, k]: contracted over output features
+                gq, sg = quantise(grad, E4M3, rowwise=True)
                 wq_t, sw_t = quantise_columns(w, E4M3)
                 grad_x = _gemm(gq, sg, wq_t, sw_t, x_dtype)
             if ctx.needs_input_grad[1]:  # [n, m] @ [m, k]: contracted over tokens
@@ -204,12 +211,11 @@ class _FP8Matmul(torch.autograd.Function):
                 xq_t, sx_t = quantise_columns(x, E4M3)
                 grad_w = _gemm(_pad_cols(gq_t), sg_t, _pad_cols(xq_t), sx_t, w_dtype)
             return grad_x, grad_w, None
-        xq, sx, wq, sw = ctx.saved_tensors
         gq, sg = quantise(grad, E5M2, rowwise=False)
         if ctx.needs_input_grad[0]:
-            grad_x = _gemm(gq, sg, wq.t().contiguous(), sw, x_dtype)
+            grad_x = _gemm(gq, sg, w.t().contiguous(), sw, x_dtype)
         if ctx.needs_input_grad[1]:
-            gq_t, xq_t = _pad_cols(gq.t().contiguous()), _pad_cols(xq.t().contiguous())
+            gq_t, xq_t = _pad_cols(gq.t().contiguous()), _pad_cols(x.t().contiguous())
             grad_w = _gemm(gq_t, sg, xq_t, sx, w_dtype)
         return grad_x, grad_w, None
 

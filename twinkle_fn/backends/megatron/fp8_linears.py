@@ -13,8 +13,9 @@ by the linear itself afterwards, as before. The weight gradient leaves through a
 megatron's DDP hook, which adds it to the float32 ``main_grad`` (``gradient_accumulation_fusion``,
 which would write it there inside the GEMM, is refused with fp8).
 
-Frozen linears keep megatron's matmul: under LoRA the base linears are frozen and the adapters'
-factors too small for float8 GEMMs, so LoRA with ``fp8`` is refused. TransformerEngine's layers
+Under LoRA those linears are the frozen bases: their forward and input-gradient GEMMs, most of a
+LoRA step's work, run in float8 (no weight gradient), while the adapters' factors, too small
+for float8 GEMMs to pay, keep megatron's matmul. TransformerEngine's layers
 (``use_te``) have their own float8 recipes (``TransformerConfig.fp8``), not wired here: the
 option refuses them.
 """
@@ -43,7 +44,7 @@ def use_fp8_linears(gpt: torch.nn.Module, setting: object) -> int:
 
     Raises ``ValueError`` for an unknown recipe, a device without float8 GEMMs, TransformerEngine
     layers, ``gradient_accumulation_fusion``, a linear whose weight shard is not a multiple of 16
-    in both dimensions (naming it), and when no linear trains (LoRA).
+    in both dimensions (naming it).
     """
     recipe = check_setting(setting)
     if recipe is None:
@@ -71,36 +72,27 @@ def use_fp8_linears(gpt: torch.nn.Module, setting: object) -> int:
                     f"option fp8 with gradient_accumulation_fusion=True: decoder.layers.{i}."
                     f"{name}'s weight gradient would skip the float8 GEMM; set it False"
                 )
-            module._forward_impl = functools.partial(_fp8_forward_impl, module, recipe)
+            module._forward_impl = functools.partial(_fp8_forward_impl, recipe)
             converted += 1
-    if not converted:
-        raise ValueError(
-            f"option fp8={recipe!r}: no trained decoder linear to convert (the model trains "
-            "LoRA adapters only, whose frozen base linears keep the compute dtype); drop fp8, "
-            "or train the full weights"
-        )
     return converted
 
 
 def _converts(name: str, module: torch.nn.Module) -> bool:
-    """Whether the decoder-layer submodule `name` takes float8 GEMMs: a trained column- or
-    row-parallel linear that is not a routed expert's nor a LoRA factor."""
+    """Whether the decoder-layer submodule `name` takes float8 GEMMs: a column- or row-parallel
+    linear (trained, or a frozen LoRA base) that is not a routed expert's nor a LoRA factor."""
     return (
         isinstance(module, (ColumnParallelLinear, RowParallelLinear))
         and not module.is_expert
         and module.weight is not None
-        and module.weight.requires_grad
         and not any(part.startswith("lora_") for part in name.split("."))
     )
 
 
 def _fp8_forward_impl(
-    linear: torch.nn.Module,
     recipe: str,
     input: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    gradient_accumulation_fusion: bool,
     allreduce_dgrad: bool,
     sequence_parallel: bool,
     tp_group: torch.distributed.ProcessGroup | None = None,
@@ -108,20 +100,8 @@ def _fp8_forward_impl(
 ) -> Tensor:
     """Megatron's ``_forward_impl`` (`input` ``[seq, batch, in]``, this rank's sequence chunk
     under `sequence_parallel`; `weight` ``[out, in]`` this rank's shard) in float8: the input
-    gathered and its gradient reduced as megatron's fused linear does, then `fp8_linear`. A
-    frozen `weight` (set so after conversion) takes megatron's own path."""
-    if not weight.requires_grad:
-        return type(linear)._forward_impl(
-            linear,
-            input,
-            weight,
-            bias=bias,
-            gradient_accumulation_fusion=gradient_accumulation_fusion,
-            allreduce_dgrad=allreduce_dgrad,
-            sequence_parallel=sequence_parallel,
-            tp_group=tp_group,
-            **_unused,
-        )
+    gathered and its gradient reduced as megatron's fused linear does, then `fp8_linear` (with
+    no weight gradient for a frozen `weight`)."""
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(
             input, tensor_parallel_output_grad=True, group=tp_group

@@ -68,14 +68,38 @@ def test_a_few_steps_train_within_float8_rounding_of_the_float32_run(runs, recip
     assert_within_float8_rounding(base, fp8)
 
 
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+
+
+@pytest.fixture(scope="module")
+def lora_runs(megatron_world):
+    return {fp8: _run(fp8, lora=LORA) for fp8 in (None, "rowwise", "tensorwise")}
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_lora_bases_take_fp8_and_train_within_float8_rounding(lora_runs, recipe):
+    """Under LoRA the frozen base linears multiply in float8 (forward and input gradient), the
+    adapters' factors do not; the adapters then train as with compute-dtype bases."""
+    base, (fp8, names) = lora_runs[None][0], lora_runs[recipe]
+    assert names == {
+        f"decoder.layers.{i}.{sub}.base_layer"
+        for i in range(2)
+        for sub in (
+            "self_attention.linear_qkv",
+            "self_attention.linear_proj",
+            "mlp.linear_fc1",
+            "mlp.linear_fc2",
+        )
+    }
+    assert base[-1] < base[0]
+    assert_within_float8_rounding(base, fp8)
+
+
 def test_refusals(megatron_world):
     odd = tiny_config("qwen2", intermediate_size=40)
     with pytest.raises(
         ValueError, match=r"linear decoder.layers.0.mlp.linear_fc2 has a weight of shape \[32, 40\]"
     ):
         _run("rowwise", config=odd)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    with pytest.raises(ValueError, match=r"no trained decoder linear to convert .*LoRA"):
-        _run("rowwise", lora=lora)
     with pytest.raises(ValueError, match=r"option fp8='hybrid' is not a recipe"):
         _run("hybrid")

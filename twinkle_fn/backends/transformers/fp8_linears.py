@@ -4,9 +4,10 @@
 parallel plan and ``tp_whole``: the attention's q/k/v/o, the dense and shared-expert MLPs'; not
 the embedding, the lm_head, a router or a shared-expert gate) into `FP8Linear`, an
 ``nn.Linear`` whose forward is `twinkle_fn.backends.fp8.fp8_linear` (recipes, numerics and
-requirements there). Only linears whose weight trains are converted: under LoRA the frozen base
-linears (peft's ``base_layer``) stay as they are, in the compute dtype, and the adapters are too
-small for float8 GEMMs to pay, so LoRA with ``fp8`` is refused.
+requirements there). Under LoRA those are the frozen base linears (peft's ``base_layer``): their
+forward and input-gradient GEMMs, most of a LoRA step's work, run in float8 (there is no weight
+gradient to compute), while the adapters' factors, too small for float8 GEMMs to pay, keep the
+compute dtype.
 
 The conversion is a class swap before tensor parallelism, ``compile_layers`` and FSDP2 wrap the
 layers, so all three see an ``nn.Linear``: FSDP2 gathers the weight as before (the forward
@@ -28,17 +29,15 @@ from twinkle_fn.models.model import Model
 
 
 class FP8Linear(torch.nn.Linear):
-    """``nn.Linear`` computing ``x @ w.T + b`` with float8 GEMMs (`fp8_linear`) when its weight
-    trains, with ``F.linear`` otherwise; ``fp8_recipe``: one of
-    `twinkle_fn.backends.fp8.RECIPES`. `x` ``[..., in]`` -> ``[..., out]``."""
+    """``nn.Linear`` computing ``x @ w.T + b`` with float8 GEMMs (`fp8_linear`; a frozen weight
+    gets no weight gradient); ``fp8_recipe``: one of `twinkle_fn.backends.fp8.RECIPES`. `x`
+    ``[..., in]`` -> ``[..., out]``."""
 
     fp8_recipe: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """See the class."""
         w = self.weight
-        if not w.requires_grad:
-            return torch.nn.functional.linear(x, w, self.bias)
         if isinstance(w, DTensor):
             return _dtensor_linear(x, w, self.bias, self.fp8_recipe)
         return fp8_linear(x, w, self.bias, self.fp8_recipe)
@@ -71,8 +70,7 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
 
     Raises ``ValueError`` for an unknown recipe, a device without float8 GEMMs
     (`twinkle_fn.backends.fp8.check_device`), a converted linear whose dimensions on this rank
-    (after tp) are not multiples of 16 (`check_linear`, naming it), and when no linear trains
-    (LoRA).
+    (after tp) are not multiples of 16 (`check_linear`, naming it).
     """
     recipe = check_setting(model.options.get("fp8"))
     if recipe is None:
@@ -84,8 +82,9 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
     for layer in model.module.get_decoder().layers:
         for sub, style in subs.items():
             linear = _submodule(layer, sub)
-            if type(linear) is not torch.nn.Linear or not linear.weight.requires_grad:
-                continue  # absent in this layer, peft-wrapped (a frozen LoRA base), or frozen
+            linear = getattr(linear, "base_layer", linear)  # peft's LoRA wraps the linear
+            if type(linear) is not torch.nn.Linear:
+                continue  # absent in this layer
             out_f, in_f = linear.out_features, linear.in_features
             if style is not None and mesh.tp > 1:
                 out_f, in_f = (
@@ -94,12 +93,6 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
             split = f" on each of tp={mesh.tp} ranks" if style is not None and mesh.tp > 1 else ""
             check_linear(names[id(linear)], out_f, in_f, split)
             linears.append(linear)
-    if not linears:
-        raise ValueError(
-            f"option fp8={recipe!r}: no trained decoder linear to convert (the model trains "
-            "LoRA adapters only, whose frozen base linears keep the compute dtype); drop fp8, "
-            "or train the full weights"
-        )
     for linear in linears:
         linear.__class__ = FP8Linear
         linear.fp8_recipe = recipe

@@ -58,6 +58,22 @@ def test_a_few_steps_train_within_float8_rounding_of_the_float32_run(runs, recip
     assert_within_float8_rounding(base, fp8)
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_lora_bases_take_fp8_and_train_within_float8_rounding(recipe):
+    """Under LoRA the frozen base linears (peft's ``base_layer``) multiply in float8 (forward and
+    input gradient), the adapters' factors do not; the adapters then train as with compute-dtype
+    bases."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    reference = _losses(None, lora=lora)[1]
+    state, losses = _losses(recipe, lora=lora)
+    module = state.model.module
+    converted = {n for n, m in module.named_modules() if isinstance(m, FP8Linear)}
+    assert len(converted) == 14 and all(n.endswith(".base_layer") for n in converted)
+    assert not any(p.requires_grad for n, p in module.named_parameters() if "base_layer" in n)
+    assert reference[-1] < reference[0]
+    assert_within_float8_rounding(reference, losses)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match=r"option fp8='hybrid' is not a recipe"):
         _losses("hybrid")
@@ -66,6 +82,3 @@ def test_refusals():
         ValueError, match=r"linear model.layers.0.mlp.gate_proj has a weight of shape \[40, 32\]"
     ):
         _losses("rowwise", config=odd)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-    with pytest.raises(ValueError, match=r"no trained decoder linear to convert .*LoRA"):
-        _losses("rowwise", lora=lora)
