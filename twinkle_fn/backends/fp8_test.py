@@ -250,12 +250,16 @@ DIST_MESHES = {
     "transformers tp2": ("transformers", {"tp": 2}),
     "megatron tp2": ("megatron", {"tp": 2}),
     "megatron tp2+sp": ("megatron", {"tp": 2, "sequence_parallel": True}),
+    "transformers tp2 lora": ("transformers", {"tp": 2}),
 }
+# frozen tp-split bases under float8: against one float32 LoRA process
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def _train(backend, sizes, fp8):
-    """Losses of `STEPS` AdamW steps (lr 1e-2) of a tiny Qwen2 in float32 on one batch, each
-    data rank its slice, and how many linears multiply in float8 on this rank."""
+def _train(backend, sizes, fp8, lora=None):
+    """Losses of `STEPS` AdamW steps (lr 1e-2) of a tiny Qwen2 in float32 on one batch (with
+    `lora`, of its adapters), each data rank its slice, and how many linears multiply in float8
+    on this rank."""
     from twinkle_fn.backends.megatron import parallel
     from twinkle_fn.backends.megatron.backend import megatron_optimizer
 
@@ -263,6 +267,8 @@ def _train(backend, sizes, fp8):
     # 4 key/value heads: k/v stay multiples of 16 features on each of 2 tp ranks
     config = tiny_config("qwen2", num_key_value_heads=4)
     model = tf.models.from_hf_config(config, seed=0, backend=backend, options={"fp8": fp8})
+    if lora is not None:
+        model = tf.lora.add_lora(model, lora)
     tx = megatron_optimizer(1e-2) if backend == "megatron" else tf.optim.adamw(1e-2)
     state = tf.init(model, tx, mesh)
     if backend == "megatron":
@@ -284,13 +290,16 @@ def _train(backend, sizes, fp8):
 
 def _two_ranks():
     return {
-        name: _train(backend, sizes, "rowwise") for name, (backend, sizes) in DIST_MESHES.items()
+        name: _train(backend, sizes, "rowwise", LORA if name.endswith("lora") else None)
+        for name, (backend, sizes) in DIST_MESHES.items()
     }
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _train("transformers", {}, None)[0], spawn(_two_ranks, 2, timeout_s=300)
+    references = {"full": _train("transformers", {}, None)[0]}
+    references["lora"] = _train("transformers", {}, None, LORA)[0]
+    return references, spawn(_two_ranks, 2, timeout_s=300)
 
 
 @pytest.mark.parametrize("name", list(DIST_MESHES))
@@ -298,8 +307,9 @@ def test_fp8_trains_on_fsdp2_and_tp_within_float8_rounding_of_one_float32_proces
     """Each mesh's fp8 run against the one-process float32 run, with the single-process fp8
     tests' bound (1% relative per step; their runs measured <= 0.42%): a reduction that were
     missing or doubled (a partial sum left unreduced, a bias added on every tp rank) moves the
-    loss by far more. Every rank converts its 8 decoder linears."""
-    reference, ranks = two_ranks
+    loss by far more. Every rank converts its decoder linears (a LoRA model's frozen bases)."""
+    references, ranks = two_ranks
+    reference = references["lora" if name.endswith("lora") else "full"]
     for losses, converted in (r[name] for r in ranks):
         assert converted == (14 if name.startswith("transformers") else 8)
         assert_within_float8_rounding(reference, losses)
