@@ -35,7 +35,7 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nccl", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk")),
-    ("optimizer", ("multi_tensor_apply", "foreach", "fused_adam")),
+    ("optimizer", ("multi_tensor_apply", "foreach", "fused_adam", "_adamw_kernel")),
     ("triton", ("triton",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
     ("reduce", ("reduce",)),

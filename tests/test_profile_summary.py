@@ -31,6 +31,7 @@ def test_intersection_of_span_lists(xs, ys, expected):
         ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
         ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+        ("_adamw_kernel", "optimizer"),  # twinkle_fn.optim's own Triton AdamW
         ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "triton"),
         ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
         ("some_custom_kernel", "other"),
