@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -133,6 +134,10 @@ def _context() -> Any:
 def _worker(fn, rank, world_size, port, queue, args, environ) -> None:
     os.environ.clear()
     os.environ.update(environ)
+    # A fresh interpreter seeds torch's and numpy's generators from the OS; a forked rank would
+    # share the server's states with every other rank (Python's `random` reseeds itself).
+    torch.seed()
+    numpy.random.seed()
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),

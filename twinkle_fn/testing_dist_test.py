@@ -59,3 +59,14 @@ def test_each_rank_sees_the_callers_environment_of_now_and_no_megatron(monkeypat
     spawn(_all_reduce_rank, 2)  # the fork server runs
     monkeypatch.setenv("TWINKLE_TESTING_DIST_PROBE", "now")
     assert spawn(_environment_and_modules, 2, "TWINKLE_TESTING_DIST_PROBE") == [("now", False)] * 2
+
+
+def _seeds():
+    import numpy
+
+    return torch.initial_seed(), int(numpy.random.randint(2**31))
+
+
+def test_each_rank_draws_its_own_seeds_as_a_fresh_interpreter_does():
+    (torch_0, numpy_0), (torch_1, numpy_1) = spawn(_seeds, 2)
+    assert torch_0 != torch_1 and numpy_0 != numpy_1

@@ -42,26 +42,28 @@ def _broadcast(group, tensor):
     group.broadcast([tensor], opts).wait()
 
 
-def _consumer(port, results):
-    """The engine's side: buckets from the trainer until it says none is left, loaded as they
-    come (`consume`), then the log-probs of the shared batch."""
-    store, group = _sync_group(port, 1)
+def _consumer(ports, results):
+    """The engine's side, one process for every mesh in turn (one interpreter start, not one
+    per mesh): for each of `ports`, buckets from the trainer until it says none is left, loaded
+    as they come (`consume`), then the log-probs of the shared batch."""
+    for port in ports:
+        store, group = _sync_group(port, 1)
 
-    def received():
-        for i in range(10**6):
-            meta = pickle.loads(store.get(f"bucket{i}"))
-            if meta is None:
-                return
-            bucket = [(n, torch.empty(shape, dtype=dtype)) for n, shape, dtype in meta]
-            for _, tensor in bucket:
-                _broadcast(group, tensor)
-            yield bucket
+        def received(store=store, group=group):
+            for i in range(10**6):
+                meta = pickle.loads(store.get(f"bucket{i}"))
+                if meta is None:
+                    return
+                bucket = [(n, torch.empty(shape, dtype=dtype)) for n, shape, dtype in meta]
+                for _, tensor in bucket:
+                    _broadcast(group, tensor)
+                yield bucket
 
-    # The trainer's config names its own attention kernel: an engine builds from a fresh one.
-    hf, _ = consume(received(), tiny_config("qwen2"), BOUND)
-    # A numpy array pickles by value; a tensor would travel as a shared-memory handle whose
-    # sender may exit before the parent opens it.
-    results.put(hf_logps(hf, batch()).numpy())
+        # The trainer's config names its own attention kernel: an engine builds from a fresh one.
+        hf, _ = consume(received(), tiny_config("qwen2"), BOUND)
+        # A numpy array pickles by value; a tensor would travel as a shared-memory handle whose
+        # sender may exit before the parent opens it.
+        results.put(hf_logps(hf, batch()).numpy())
 
 
 def _send(stream, store, group):
@@ -77,7 +79,7 @@ def _send(stream, store, group):
         store.set(f"bucket{i + 1}", pickle.dumps(None))
 
 
-def _mesh_run(sizes, lora, port):
+def _mesh_run(sizes, lora, port, results):
     config = tiny_config("qwen2")
     mesh = tf.Mesh(**sizes)
     model = tf.models.from_hf_config(config, seed=0)
@@ -88,27 +90,29 @@ def _mesh_run(sizes, lora, port):
     hf, largest = consume(stream, config, BOUND)
     want = tf.token_logps(state, batch())["logps"]
     out = {"diff": (hf_logps(hf, batch()) - want).abs().max().item(), "largest": largest}
-    # Another process, fed by rank 0 (the second export: a stream can be drawn again).
-    consumer = results = store = group = None
-    if rank() == 0:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        consumer = ctx.Process(target=_consumer, args=(port, results))
-        consumer.start()
-        store, group = _sync_group(port, 0)
+    # The consumer process, fed by rank 0 (the second export: a stream can be drawn again).
+    store, group = _sync_group(port, 0) if rank() == 0 else (None, None)
     _send(
         tf.export_weights(state, dtype=torch.float32, bucket_bytes=BOUND, lora="merged"),
         store,
         group,
     )
-    if consumer is not None:
+    if rank() == 0:
         out["remote_diff"] = (torch.from_numpy(results.get(timeout=120)) - want).abs().max().item()
-        consumer.join(timeout=60)
     return out
 
 
 def _two_ranks(ports):
-    return {name: _mesh_run(*spec, ports[name]) for name, spec in MESHES.items()}
+    consumer = results = None
+    if rank() == 0:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        consumer = ctx.Process(target=_consumer, args=([ports[n] for n in MESHES], results))
+        consumer.start()
+    out = {name: _mesh_run(*spec, ports[name], results) for name, spec in MESHES.items()}
+    if consumer is not None:
+        consumer.join(timeout=60)
+    return out
 
 
 @pytest.fixture(scope="module")
