@@ -4,6 +4,12 @@ With no arguments it trains a tiny random-init Qwen2-style model, with a charact
 a generated arithmetic chat set, all offline; `--model` and `--data` point it at a local HF model
 directory and a JSONL file instead. `--config run.yaml` describes a run in a file
 (`twinkle.cli.config`); flags and ``--set key=value`` override it, in that order.
+
+The parts: `twinkle.cli._flags` (the flags and where each lands in the config),
+`twinkle.cli._build` (mesh, model, tokenizer, lengths), `twinkle.cli._optimizer` (AdamW and its
+schedule) and `twinkle.cli._steps` (one update, cadences, checkpoints, held-out loss); this
+module registers the subcommand, reads the config and runs the loop. `twinkle.cli.rl` reads
+those parts through this module.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,50 +24,86 @@ from typing import Any
 
 import yaml
 from tqdm import tqdm
-from transformers import AutoTokenizer, Qwen2Config
 
 import twinkle_fn as tf
 from twinkle.cli import checkpoints as ckpts
 from twinkle.cli import config as cfg
+from twinkle.cli._build import (
+    DEFAULT_MAX_LENGTH,
+    _dist_checkpoint,
+    _max_length,
+    _model_and_tokenizer,
+    _offload,
+    _sizes,
+    _world_mesh,
+    tiny_qwen2_config,
+)
+from twinkle.cli._flags import (
+    FLAGS,
+    _lora,
+    _mesh,
+    _mesh_flag,
+    _nested,
+    _nonnegative_int,
+    _positive_int,
+)
+from twinkle.cli._optimizer import (
+    DEFAULT_WARMUP_STEPS,
+    OPTIMIZERS,
+    _adamw,
+    _check_lr,
+    _megatron_adamw,
+    _optimizer,
+    _warmup_steps,
+)
+from twinkle.cli._steps import _due, _heldout_loss, _sample_order, _save, _save_final, _train_step
 from twinkle.cli.metrics import MetricsLog, flops_per_token, memory_gb, peak_flops
 from twinkle.cli.report import plot_losses, print_summary
 from twinkle_fn.data import (
     arithmetic_dataset,
-    char_tokenizer,
     check_supervised,
     encode_rows,
     load_jsonl,
-    pack,
-    split_features,
     train_heldout_split,
 )
-from twinkle_fn.distributed import init_distributed, rank, world_size
+from twinkle_fn.distributed import init_distributed, rank
 
-DEFAULT_WARMUP_STEPS = 20
-DEFAULT_MAX_LENGTH = 256
-# flag -> config key; a flag given on the command line overrides the config file.
-FLAGS = {
-    "model": "model.path",
-    "data": "data.path",
-    "steps": "schedule.steps",
-    "batch_size": "data.batch_size",
-    "micro_batches": "data.micro_batches",
-    "lr": "optimizer.lr",
-    "warmup_steps": "schedule.warmup_steps",
-    "weight_decay": "optimizer.weight_decay",
-    "max_length": "model.max_length",
-    "num_samples": "data.num_samples",
-    "precision": "precision",
-    "seed": "seed",
-    "mesh": "mesh",
-    "output_dir": "output.dir",
-    "backend": "backend",
-    "lora": "lora",
-    "resume": "resume",
-    "save_steps": "cadence.save_steps",
-    "keep_last": "cadence.keep_last",
-    "eval_steps": "cadence.eval_steps",
-}
+# Every name this module had; `twinkle.cli.rl` and the tests read the private helpers through it.
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "DEFAULT_WARMUP_STEPS",
+    "FLAGS",
+    "OPTIMIZERS",
+    "Summary",
+    "_adamw",
+    "_check_lr",
+    "_dist_checkpoint",
+    "_due",
+    "_heldout_loss",
+    "_lora",
+    "_max_length",
+    "_megatron_adamw",
+    "_mesh",
+    "_mesh_flag",
+    "_model_and_tokenizer",
+    "_nested",
+    "_nonnegative_int",
+    "_offload",
+    "_optimizer",
+    "_positive_int",
+    "_sample_order",
+    "_save",
+    "_save_final",
+    "_sizes",
+    "_train_step",
+    "_warmup_steps",
+    "_world_mesh",
+    "add_parser",
+    "run",
+    "run_config",
+    "tiny_qwen2_config",
+    "train",
+]
 
 
 @dataclass
@@ -285,334 +326,3 @@ def train(config: cfg.RunConfig) -> Summary:
     if rank() == 0:
         (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     return summary
-
-
-def _train_step(
-    state: tf.TrainState, feats: list[dict[str, Any]], mesh: tf.Mesh, micro: int, out: Path
-) -> tuple[tf.TrainState, dict[str, Any]]:
-    """One update from the global batch `feats`: this data rank's slice in `micro`
-    accumulated micro-batches, then `tf.step` (donates `state`). Raises ``ValueError`` naming
-    the step when the loss or gradient norm is not finite (nothing saved)."""
-    grads = None
-    local = feats[mesh.get_slice(len(feats), rank())]  # this data rank's
-    for part in split_features(local, micro):
-        grads, _ = tf.fwd_bwd(state, pack(part), accum=grads)
-    try:
-        return tf.step(state, grads, on_nonfinite="raise")
-    except tf.NonFiniteError as e:
-        raise ValueError(
-            f"training diverged, stopping without saving (any checkpoint in {out} is left as it "
-            f"was): {e}"
-        ) from e
-
-
-def _due(every: int, done: int, steps: int) -> bool:
-    """Whether a cadence of `every` steps (0: never) falls after step `done`; the last step
-    is left to the end of the run."""
-    return bool(every) and done % every == 0 and done < steps
-
-
-def _save_final(state: tf.TrainState, out: Path, tokenizer: Any, config: cfg.RunConfig) -> Path:
-    """``<out>/checkpoint``, and with LoRA ``<out>/adapter`` (what
-    ``peft.PeftModel.from_pretrained(base, dir)`` loads). Returns the checkpoint."""
-    steps = config.schedule.steps
-    if config.lora is not None:
-        tf.lora.save_adapter(state, out / "adapter")
-    return tf.checkpoint.save(state, out / "checkpoint", tokenizer=tokenizer, extra={"step": steps})
-
-
-def _save(state: tf.TrainState, path: Path, tokenizer: Any, step: int) -> Path:
-    """A checkpoint of `state` at `path` (its ``extra`` holds `step`, the data position)."""
-    return tf.checkpoint.save(state, path, tokenizer=tokenizer, extra={"step": step})
-
-
-def _dist_checkpoint(config: cfg.RunConfig) -> Path | None:
-    """``megatron.dist_checkpointing_path`` when ``use_dist_checkpointing``: the checkpoint
-    whose weights the run starts from. Raises ``ValueError`` naming it when it is none."""
-    meg = config.megatron
-    if meg is None or not meg.use_dist_checkpointing:
-        return None
-    path = Path(meg.dist_checkpointing_path)
-    if not tf.checkpoint.is_complete(path):
-        raise ValueError(
-            f"megatron.dist_checkpointing_path {path}: not a twinkle checkpoint "
-            f"({tf.checkpoint.MANIFEST} missing); pass a directory written by twinkle train"
-        )
-    return path
-
-
-def _offload(config: cfg.RunConfig) -> dict[str, bool]:
-    """What the megatron block parks in host memory between steps."""
-    meg = config.megatron
-    if meg is None:
-        return {"params": False, "grads": False, "optimizer": False}
-    return {
-        "params": meg.param_offload,
-        "grads": meg.grad_offload,
-        "optimizer": meg.optimizer_offload,
-    }
-
-
-def _nested(key: str, value: Any) -> dict[str, Any]:
-    """``("a.b", v)`` -> ``{"a": {"b": v}}``."""
-    *parents, leaf = key.split(".")
-    node: dict[str, Any] = {leaf: value}
-    for part in reversed(parents):
-        node = {part: node}
-    return node
-
-
-def tiny_qwen2_config(vocab_size: int) -> Qwen2Config:
-    """The default model: a 4-layer Qwen2 with hidden size 128 (about 0.9M parameters)."""
-    return Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-
-
-def _world_mesh(config: cfg.RunConfig) -> tf.Mesh:
-    """``mesh`` (or the megatron block's parallel sizes), by default data parallelism over the
-    whole world (printed by rank 0 when it has several processes). Raises ``ValueError`` for a
-    mesh that does not match the world or the megatron block, and for a batch that leaves a data
-    rank fewer samples than micro-batches."""
-    meg = config.megatron
-    sizes = (
-        (meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size)
-        if meg is not None
-        else (1, 1)
-    )
-    if config.mesh is not None:
-        mesh = _mesh(config.mesh)
-        if meg is not None and (mesh.tp, mesh.pp, mesh.ep) != (
-            *sizes,
-            meg.expert_model_parallel_size,
-        ):
-            raise ValueError(
-                f"mesh {config.mesh} disagrees with the megatron block (tp={sizes[0]}, "
-                f"pp={sizes[1]}, ep={meg.expert_model_parallel_size}); give the sizes in one place"
-            )
-    else:
-        tp, pp = sizes
-        ep = meg.expert_model_parallel_size if meg is not None else 1
-        if world_size() % (tp * pp):
-            raise ValueError(
-                f"megatron tensor x pipeline parallel size {tp} x {pp} does not divide the "
-                f"world of {world_size()} processes; launch a multiple of {tp * pp}"
-            )
-        mesh = tf.Mesh(dp=world_size() // (tp * pp), tp=tp, pp=pp, ep=ep)
-    mesh.validate(world_size())
-    if config.mesh is None and world_size() > 1 and rank() == 0:
-        print(f"twinkle train: no --mesh given; data parallel over the world: {_sizes(mesh)}")
-    batch_size, micro = config.data.batch_size, config.data.micro_batches
-    per_rank = batch_size // mesh.data_world_size
-    if per_rank < micro:
-        raise ValueError(
-            f"--batch-size {batch_size} over {mesh.data_world_size} data ranks "
-            f"({_sizes(mesh)}) leaves {per_rank} samples per rank, fewer than --micro-batches "
-            f"{micro}; raise --batch-size to at least "
-            f"{mesh.data_world_size * micro} or lower --micro-batches"
-        )
-    return mesh
-
-
-def _sizes(mesh: tf.Mesh) -> str:
-    """``"dp=2,tp=2"``: the mesh's axes of size > 1 (``"one process"`` for none)."""
-    axes = ("dp", "fsdp", "tp", "pp", "cp", "ep", "etp")
-    return ",".join(f"{a}={getattr(mesh, a)}" for a in axes if getattr(mesh, a) > 1) or (
-        "one process"
-    )
-
-
-def _optimizer(config: cfg.RunConfig) -> tf.optim.GradientTransformation:
-    """AdamW with a warmup-cosine schedule from the lr down to ``min_lr_ratio`` of it, after
-    clipping to the global norm ``optimizer.clip_grad``: the core's transforms on the
-    transformers backend, megatron's distributed optimizer (the same update) on megatron.
-
-    Raises ``ValueError`` (before anything is built) for an lr that is not a positive finite
-    number, a negative or non-finite weight decay, and an explicit warmup that is not shorter
-    than the run (it would never reach the lr): the same policy as the library's schedules and
-    optimizers, which refuse them too.
-    """
-    opt = config.optimizer
-    if not math.isfinite(opt.weight_decay) or opt.weight_decay < 0:
-        raise ValueError(
-            f"--weight-decay must be a finite number >= 0, got {opt.weight_decay}; pass e.g. "
-            "--weight-decay 0.01 (optimizer.weight_decay in a config)"
-        )
-    schedule = tf.schedules.warmup_cosine(
-        peak_lr=_check_lr(opt.lr),
-        warmup_steps=_warmup_steps(config.schedule),
-        decay_steps=config.schedule.steps,
-        min_lr=opt.lr * config.schedule.min_lr_ratio,
-    )
-    return OPTIMIZERS[config.backend](schedule, opt.weight_decay, opt.clip_grad)
-
-
-def _adamw(
-    lr: tf.schedules.Schedule, weight_decay: float, clip_grad: float
-) -> tf.optim.GradientTransformation:
-    """The core's clipping then AdamW (what the transformers backend trains with)."""
-    return tf.optim.chain(
-        tf.optim.clip_by_global_norm(clip_grad), tf.optim.adamw(lr, weight_decay=weight_decay)
-    )
-
-
-def _megatron_adamw(
-    lr: tf.schedules.Schedule, weight_decay: float, clip_grad: float
-) -> tf.optim.GradientTransformation:
-    """megatron-core's distributed optimizer: the same update, and the only one the megatron
-    backend checkpoints and shards over tp / pp."""
-    return tf.optim.megatron_optimizer(lr, weight_decay=weight_decay, clip_grad=clip_grad)
-
-
-# The optimizer each backend trains with.
-OPTIMIZERS = {"transformers": _adamw, "megatron": _megatron_adamw}
-
-
-def _check_lr(lr: float) -> float:
-    """`lr`; raises ``ValueError`` unless it is a positive finite number."""
-    if not math.isfinite(lr) or lr <= 0:
-        raise ValueError(
-            f"--lr must be a positive finite number, got {lr}: a learning rate of 0 trains "
-            "nothing; pass e.g. --lr 3e-3 (optimizer.lr in a config)"
-        )
-    return lr
-
-
-def _warmup_steps(schedule: cfg.ScheduleConfig) -> int:
-    """``warmup_steps``, or by default 20 capped to ``steps - 1``. Raises ``ValueError`` for
-    an explicit warmup that is not shorter than the run."""
-    steps = schedule.steps
-    if schedule.warmup_steps is None:
-        return min(DEFAULT_WARMUP_STEPS, steps - 1)
-    if schedule.warmup_steps >= steps:
-        raise ValueError(
-            f"--warmup-steps {schedule.warmup_steps} must be < --steps {steps}: the warmup "
-            f"would outlast the run and never reach --lr; lower --warmup-steps (e.g. "
-            f"{steps // 10}) or raise --steps"
-        )
-    return schedule.warmup_steps
-
-
-def _max_length(config: cfg.RunConfig, max_positions: int) -> int:
-    """``model.max_length``, or by default `DEFAULT_MAX_LENGTH` capped to `max_positions` (the
-    model's ``max_position_embeddings``). Raises ``ValueError`` for an explicit length past
-    them: positions the model has no embedding for would train without a word."""
-    length = config.model.max_length
-    if length is None:
-        return min(DEFAULT_MAX_LENGTH, max_positions)
-    if length > max_positions:
-        raise ValueError(
-            f"--max-length {length} exceeds the model's max_position_embeddings "
-            f"({max_positions}); pass --max-length {max_positions} or less"
-        )
-    return length
-
-
-def _model_and_tokenizer(config: cfg.RunConfig) -> tuple[tf.models.Model, Any]:
-    """The model on ``config.backend`` (with its LoRA adapter) and its tokenizer. Raises
-    ``ValueError`` for a model directory without a tokenizer."""
-    options = dict(config.megatron.override_transformer_config) if config.megatron else {}
-    if config.fp8 is not None:
-        options["fp8"] = config.fp8
-    kwargs = dict(backend=config.backend, precision=config.precision, options=options or None)
-    if config.model.path is None:
-        tokenizer = char_tokenizer()
-        hf_config = tiny_qwen2_config(len(tokenizer))
-        hf_config.pad_token_id = tokenizer.pad_token_id
-        hf_config.eos_token_id = tokenizer.eos_token_id
-        model = tf.models.from_hf_config(hf_config, seed=config.seed, **kwargs)
-    else:
-        path = tf.models.resolve_model_dir(config.model.path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"--model {config.model.path}: no tokenizer could be loaded from {path} ({e}); "
-                "save the tokenizer into the model directory"
-            ) from e
-        model = tf.models.from_pretrained(path, **kwargs)
-    if config.lora is not None:
-        lora = config.lora
-        model = tf.lora.add_lora(
-            model,
-            {
-                "r": lora.r,
-                "lora_alpha": lora.alpha,
-                "target_modules": lora.targets,
-                "lora_dropout": lora.dropout,
-            },
-        )
-    return model, tokenizer
-
-
-def _heldout_loss(state: tf.TrainState, feats: list[dict[str, Any]], batch_size: int) -> float:
-    """Token-mean loss over every held-out sample."""
-    loss_sum, num_tokens = 0.0, 0
-    for i in range(0, len(feats), batch_size):
-        out = tf.evaluate(state, pack(feats[i : i + batch_size]))
-        loss_sum += float(out.loss_sum)
-        num_tokens += int(out.num_tokens)
-    return loss_sum / max(num_tokens, 1)
-
-
-def _sample_order(n: int, total: int, seed: int) -> list[int]:
-    """Indices for `total` draws: shuffled epochs over `n` samples, deterministic in `seed`
-    (so a resumed run finds its data position from the step alone)."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while len(order) < total:
-        epoch = list(range(n))
-        rng.shuffle(epoch)
-        order.extend(epoch)
-    return order[:total]
-
-
-def _mesh(text: str) -> tf.Mesh:
-    """``"dp=2,tp=2"`` -> ``Mesh(dp=2, tp=2)``. Raises ``ValueError`` naming the text."""
-    try:
-        sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(","))}
-        return tf.Mesh(**sizes)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"mesh {text!r} is not a mesh; write sizes like fsdp=2 or dp=2,tp=2 ({e})"
-        ) from e
-
-
-def _mesh_flag(text: str) -> str:
-    """`--mesh`: checked at parse time, kept as text (the config's form)."""
-    try:
-        _mesh(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
-    return text
-
-
-def _lora(text: str) -> dict[str, Any]:
-    """``"r=16,alpha=32,targets=all-linear"`` -> the ``lora`` block (keys checked later)."""
-    try:
-        return {k.strip(): yaml.safe_load(v) for k, v in (p.split("=", 1) for p in text.split(","))}
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: write key=value pairs, e.g. r=16,alpha=32,targets=all-linear"
-        ) from e
-
-
-def _nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value

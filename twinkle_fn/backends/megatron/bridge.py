@@ -28,6 +28,17 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import PretrainedConfig
 
+from twinkle_fn.backends.megatron.bridge_layout import (
+    _etp_rank,
+    _Layout,
+    _layout,
+    _Model,
+    _model,
+    _positive,
+    _rank,
+    _Slot,
+    _slots,
+)
 from twinkle_fn.backends.megatron.bridge_rules import (
     EMBEDDING,
     FINAL_NORM,
@@ -48,15 +59,6 @@ from twinkle_fn.backends.megatron.bridge_rules import (
     VALUE_BIAS,
     VALUE_HEAD,
     Rule,
-    _etp_rank,
-    _Layout,
-    _layout,
-    _Model,
-    _model,
-    _positive,
-    _rank,
-    _Slot,
-    _slots,
     moe_layers,
     moe_rules,
     rules_for,
