@@ -9,13 +9,11 @@ import enum
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import twinkle_fn as tf
 from twinkle.device_mesh import DeviceMesh
 from twinkle.model import MegatronModel, TransformersModel
 from twinkle.processor import unpack
-from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.data import pad_collate
 from twinkle_fn.testing import random_features, tiny_config
 
@@ -40,17 +38,6 @@ def _model(backend):
     )
     m.set_optimizer("AdamW", lr=1e-2)
     return m
-
-
-@pytest.fixture
-def no_leak():
-    """Take down the process group and megatron state a one-process MegatronModel starts, so
-    that the next tests on this worker start clean."""
-    had = dist.is_initialized()
-    yield
-    parallel.destroy()
-    if dist.is_initialized() and not had:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", ["transformers", "megatron"])

@@ -5,12 +5,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 from transformers import AutoModelForCausalLM
 
 from twinkle.cli import main
-from twinkle_fn.backends.megatron import parallel
 
 STEPS = 6
 
@@ -59,18 +57,6 @@ def test_a_resumed_run_continues_bit_exactly(run_dir, tmp_path):
     want = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint").state_dict()
     got = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").state_dict()
     assert all(torch.equal(got[n], want[n]) for n in want)
-
-
-@pytest.fixture
-def no_leak():
-    """Take down the one-rank process group and the megatron state a one-process megatron run
-    starts in this process: later tests on this xdist worker (tests/upstream_compat's
-    initialize) read a joined group's world."""
-    had = dist.is_initialized()
-    yield
-    parallel.destroy()
-    if dist.is_initialized() and not had:
-        dist.destroy_process_group()
 
 
 def test_megatron_runs_the_same_command(tmp_path, no_leak):

@@ -5,23 +5,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-
-from twinkle_fn.backends.megatron import parallel
 
 COOKBOOK = Path(__file__).resolve().parent.parent / "cookbook" / "grpo.py"
-
-
-@pytest.fixture
-def no_leak():
-    """Take down the one-rank process group and the megatron state a one-process megatron run
-    starts in this process: later tests on this xdist worker (tests/upstream_compat's
-    initialize) read a joined group's world."""
-    had = dist.is_initialized()
-    yield
-    parallel.destroy()
-    if dist.is_initialized() and not had:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", ["transformers", "megatron"])
