@@ -18,11 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
@@ -32,6 +29,7 @@ from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.megatron.bridge import hf_to_mcore, mcore_to_hf
 from twinkle_fn.backends.megatron.config import transformer_config
 from twinkle_fn.backends.megatron.model import build_gpt_model
+from twinkle_fn.backends.megatron.model_test import ddp_backward
 from twinkle_fn.data import pad_collate
 from twinkle_fn.export_test import hf_logps
 from twinkle_fn.mesh import Mesh
@@ -100,23 +98,9 @@ def _grad_errors(overrides: dict, sizes: dict) -> dict[str, float]:
         finalize_model_grads_func=finalize_model_grads,
     )
     model.load_state_dict(_local(hf, mesh, dist.get_rank()), strict=False)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     ids, pos = _tokens()
     labels = ids.roll(-1, dims=1)
-
-    def step(_, module):
-        losses = module(ids, pos, None, labels=labels)
-        return losses, lambda out: (out.sum(), torch.tensor(out.numel()), {})
-
-    ddp.zero_grad_buffer()
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=None,
-        model=[ddp],
-        num_microbatches=1,
-        seq_length=SEQ,
-        micro_batch_size=ids.shape[0],
-    )
+    ddp = ddp_backward(model, ids, pos, labels)
     torch.nn.functional.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten()).backward()
     # the bridge joins gradients as it joins the weights they belong to
     grads = {n: p.main_grad for n, p in ddp.module.named_parameters()}

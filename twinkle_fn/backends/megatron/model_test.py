@@ -261,18 +261,13 @@ NORMS = {
 }
 
 
-def _sp_norm_grad_errors() -> dict[str, float]:
-    """Per norm, max |megatron grad - HF grad| after DDP's finalize (tp=2, SP, token-mean CE)."""
-    mesh = Mesh(tp=2, sequence_parallel=True)
-    parallel.initialize(mesh, seed=0)
-    cfg, hf = _hf_model("qwen3")
-    model = build_gpt_model(
-        cfg, mesh, vocab_multiple=VOCAB_MULTIPLE, finalize_model_grads_func=finalize_model_grads
-    )
-    _load(model, hf, cfg, mesh, dist.get_rank(), VOCAB_MULTIPLE)
+def ddp_backward(
+    model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor
+) -> DistributedDataParallel:
+    """`model` in megatron's DDP after one forward-backward (megatron's schedule, one
+    micro-batch) of the summed cross entropy of `labels`; gradients in each ``main_grad``.
+    `ids`, `pos`, `labels`: ``[batch, seq]``."""
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    ids, pos = _tokens(cfg)
-    labels = ids.roll(-1, dims=1)
 
     def step(_, module):
         losses = module(ids, pos, None, labels=labels)
@@ -284,9 +279,24 @@ def _sp_norm_grad_errors() -> dict[str, float]:
         data_iterator=None,
         model=[ddp],
         num_microbatches=1,
-        seq_length=SEQ,
+        seq_length=ids.shape[1],
         micro_batch_size=ids.shape[0],
     )
+    return ddp
+
+
+def _sp_norm_grad_errors() -> dict[str, float]:
+    """Per norm, max |megatron grad - HF grad| after DDP's finalize (tp=2, SP, token-mean CE)."""
+    mesh = Mesh(tp=2, sequence_parallel=True)
+    parallel.initialize(mesh, seed=0)
+    cfg, hf = _hf_model("qwen3")
+    model = build_gpt_model(
+        cfg, mesh, vocab_multiple=VOCAB_MULTIPLE, finalize_model_grads_func=finalize_model_grads
+    )
+    _load(model, hf, cfg, mesh, dist.get_rank(), VOCAB_MULTIPLE)
+    ids, pos = _tokens(cfg)
+    labels = ids.roll(-1, dims=1)
+    ddp = ddp_backward(model, ids, pos, labels)
     F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten()).backward()
     hf_params = dict(hf.named_parameters())
     mcore_params = dict(ddp.module.named_parameters())
