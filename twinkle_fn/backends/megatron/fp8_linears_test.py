@@ -47,18 +47,22 @@ def runs(megatron_world):
     return {fp8: _run(fp8) for fp8 in (None, "rowwise", "tensorwise")}
 
 
+LINEARS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+
+
+def _decoder_linears(suffix: str = "") -> set[str]:
+    """The tiny Qwen2's decoder linears (`suffix`: under a LoRA wrapper, the base's name)."""
+    return {f"decoder.layers.{i}.{sub}{suffix}" for i in range(2) for sub in LINEARS}
+
+
 def test_the_decoder_linears_take_fp8_and_nothing_else(runs):
     assert runs[None][1] == set()
-    assert runs["rowwise"][1] == {
-        f"decoder.layers.{i}.{sub}"
-        for i in range(2)
-        for sub in (
-            "self_attention.linear_qkv",
-            "self_attention.linear_proj",
-            "mlp.linear_fc1",
-            "mlp.linear_fc2",
-        )
-    }
+    assert runs["rowwise"][1] == _decoder_linears()
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
@@ -81,16 +85,7 @@ def test_lora_bases_take_fp8_and_train_within_float8_rounding(lora_runs, recipe)
     """Under LoRA the frozen base linears multiply in float8 (forward and input gradient), the
     adapters' factors do not; the adapters then train as with compute-dtype bases."""
     base, (fp8, names) = lora_runs[None][0], lora_runs[recipe]
-    assert names == {
-        f"decoder.layers.{i}.{sub}.base_layer"
-        for i in range(2)
-        for sub in (
-            "self_attention.linear_qkv",
-            "self_attention.linear_proj",
-            "mlp.linear_fc1",
-            "mlp.linear_fc2",
-        )
-    }
+    assert names == _decoder_linears(".base_layer")
     assert base[-1] < base[0]
     assert_within_float8_rounding(base, fp8)
 
