@@ -166,3 +166,14 @@ def test_the_default_loss_keeps_the_fused_head_and_a_token_loss_reads_logits(mon
     torch.testing.assert_close(logits_path.loss_sum, fused.loss_sum, rtol=1e-10, atol=0)
     for name, grad in fused.params.items():
         torch.testing.assert_close(logits_path.params[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_bind_points_the_module_at_the_given_tensors_and_names_a_missing_one():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sequential(torch.nn.Linear(3, 1)))
+    new = {"0.weight": torch.zeros(3, 2), "1.0.bias": torch.ones(1)}
+    compute.bind(module, new, sharded=False)
+    assert module[0].weight is new["0.weight"] and module[1][0].bias is new["1.0.bias"]
+    assert dict(module.named_parameters())["0.bias"] is module[0].bias  # others untouched
+    for missing in ("0.scale", "2.weight", "1.1.weight"):
+        with pytest.raises(KeyError, match=missing):
+            compute.bind(module, {missing: torch.zeros(1)}, sharded=False)
