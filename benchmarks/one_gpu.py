@@ -298,6 +298,7 @@ def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str,
         row = {
             "status": "ok",
             "step_ms": 1e3 * timing.seconds,
+            "host_ms": 1e3 * timing.host_seconds,  # near step_ms: the host bounds the step
             "tokens_per_s": batch * seq / timing.seconds,
             "peak_mem_gib": peak,
             "first_loss": timing.first_loss,
@@ -742,7 +743,7 @@ def _print_table(result: dict[str, Any]) -> None:
     rows = result["rows"]
     name = _REFERENCE[result["workload"]]
     ref = rows.get(name, {})
-    print(f"row | tokens/s | peak GiB | step ms | x {name} | mem/{name}")
+    print(f"row | tokens/s | peak GiB | step ms | host ms | x {name} | mem/{name}")
     for name, row in rows.items():
         if row["status"] != "ok":
             print(f"{name} | {row['status']}: {row.get('error') or row.get('reason')}")
@@ -754,7 +755,7 @@ def _print_table(result: dict[str, Any]) -> None:
                 mem = f"{row['peak_mem_gib'] / ref['peak_mem_gib']:.2f}"
         peak = "n/a" if row["peak_mem_gib"] is None else f"{row['peak_mem_gib']:.1f}"
         print(
-            f"{name} | {row['tokens_per_s']:.0f} | {peak} | {row['step_ms']:.1f} | {speed} | {mem}"
+            f"{name} | {row['tokens_per_s']:.0f} | {peak} | {row['step_ms']:.1f} | {row['host_ms']:.1f} | {speed} | {mem}"
         )
 
 
