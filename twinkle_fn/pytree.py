@@ -98,14 +98,13 @@ def tree_global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
         raise ValueError("tree_global_norm: the tree has no tensor leaves")
     device = _local(leaves[0]).device
     dtype = torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
-    norms = []
+    norms = []  # one 1-d tensor of norms a group: one cast each, not one a leaf
     for group in _groups(leaves):
         if _sharded_norm_applies(group[0]):
-            norms.append(_sharded_group_norm(group, norm_type).to(device=device, dtype=dtype))
-            continue
-        for n in torch._foreach_norm(group, norm_type):
-            norms.append(_full(n).to(device=device, dtype=dtype))
-    stacked = torch.stack(norms)
+            norms.append(_sharded_group_norm(group, norm_type).reshape(1))
+        else:
+            norms.append(torch.stack([_full(n) for n in torch._foreach_norm(group, norm_type)]))
+    stacked = torch.cat([n.to(device=device, dtype=dtype) for n in norms])
     if norm_type == float("inf"):
         return stacked.max()
     return torch.linalg.vector_norm(stacked, norm_type)
