@@ -18,11 +18,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    get_cuda_rng_tracker,
-)
+from megatron.core.tensor_parallel import ColumnParallelLinear, get_cuda_rng_tracker
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
@@ -38,6 +34,7 @@ from twinkle_fn.backends.megatron.bridge_transforms import (
     tp_shard,
 )
 from twinkle_fn.backends.megatron.grouped_experts import grouped_linear
+from twinkle_fn.backends.megatron.spec import RowParallelLinear  # no graph break in its forward
 
 
 class LoraParallelLinear(MegatronModule):

@@ -3,12 +3,13 @@ giving the base alone (the multi-rank layouts are checked through whole models i
 
 import pytest
 import torch
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer import TransformerConfig
 from peft import LoraConfig
 
 from twinkle_fn.backends.megatron.lora import LINEARS
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear, adapters_off
+from twinkle_fn.backends.megatron.spec import RowParallelLinear  # the one the layer spec builds
 
 
 def _base(kind):
@@ -52,3 +53,17 @@ def test_a_zero_b_starts_at_the_base_output(megatron_world):
     x = torch.randn(2, 2, 8)
     assert (layer.lora_B.weight == 0).all()
     torch.testing.assert_close(layer(x)[0], base(x)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "linear"), [("column", "mlp.linear_fc1"), ("row", "mlp.linear_fc2")]
+)
+def test_an_adapted_linear_compiles_into_one_graph(megatron_world, kind, linear):
+    """A graph break in an adapter splits each compiled decoder layer in pieces, which inductor
+    fuses and partitions apart (megatron-core's own ``RowParallelLinear`` warned in every
+    forward: a break in each row-parallel ``lora_A``)."""
+    base = _base(kind)
+    layer = LoraParallelLinear(base, LoraConfig(r=2, lora_alpha=4), rule=LINEARS[linear], seed=0)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(layer)(torch.randn(5, 3, base.weight.shape[1]))
+    assert explanation.break_reasons == [] and explanation.graph_count == 1
