@@ -19,8 +19,8 @@ A new family touches:
    model transformers builds (plan entries are real linears, biases and q/k norms exist exactly
    where the row says, the window field windows attention...) and ``_layer_rules_test.py`` that
    the MoE-layer rule matches the layers that have experts.
-2. ``twinkle_fn/testing.py``: its tiny config in ``_EXTRA`` (2 layers, hidden 32: seconds on a
-   CPU). This puts it under the conformance suite, ``tests/test_family_conformance.py``, and
+2. ``twinkle_fn/testing/configs.py``: its tiny config in ``_EXTRA`` (2 layers, hidden 32:
+   seconds on a CPU). This puts it under the conformance suite, ``tests/test_family_conformance.py``, and
    every other test parametrised over `FAMILIES`. The suite is what "supported" means: bridge
    round trip bit-exact on tp/pp/ep in {1, 2} (in one process and on two real ranks), megatron
    log-probs equal HF's, one training step equal on both backends, the tp plan, a LoRA adapter
