@@ -61,13 +61,10 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from torch import Tensor
 
+from twinkle_fn.backends.megatron.hf_weights import load_hf_weights
 from twinkle_fn.backends.megatron.lora import adapter_state_dict
 from twinkle_fn.backends.megatron.optimizer import MegatronOptState, refresh_slots
-from twinkle_fn.backends.megatron.placement import (
-    MegatronPlacement,
-    load_hf_weights,
-    model_placement,
-)
+from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
 from twinkle_fn.backends.megatron.safetensors_io import save_hf
 from twinkle_fn.backends.megatron.sharding import checkpoint_names
 from twinkle_fn.backends.megatron.weights import full_weights, settle
