@@ -3,23 +3,14 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections import Counter
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinkle_fn.backends.megatron.bridge import (
-    MLP,
-    O_PROJ,
-    QKV,
-    export_buckets,
     hf_to_mcore,
-    join_shards,
     mcore_to_hf,
     moe_layers,
-    rules_for,
 )
 from twinkle_fn.backends.megatron.bridge_transforms import padded_vocab_size
 from twinkle_fn.mesh import Mesh
@@ -53,17 +44,9 @@ def _config(case):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(hf_checkpoint):
     """Per case: the config and the tensors save_pretrained writes (the on-disk names)."""
-    out = {}
-    for case in CASES:
-        cfg = _config(case)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg)
-        path = tmp_path_factory.mktemp(case)
-        model.save_pretrained(path)
-        out[case] = (cfg, load_file(path / "model.safetensors"))
-    return out
+    return {case: hf_checkpoint(case.split("-")[0], **CASES[case]) for case in CASES}
 
 
 def _all_ranks(state, cfg, tp, pp, ep, **kw):
@@ -406,49 +389,6 @@ def test_vocab_padding_rows_are_zero_and_tied_output_is_the_embedding(checkpoint
     assert "output_layer.weight" not in local[(0, 0, 0)]
 
 
-def test_qkv_rows_follow_megatron_group_interleaving(checkpoints):
-    """Rank 1 of tp=2 holds query group 1: [its 2 q heads, k_1, v_1], each head_dim rows."""
-    cfg, state = checkpoints["qwen2"]
-    hd, p = 8, "model.layers.0.self_attn."
-    local = hf_to_mcore(state, cfg, tp_rank=1, tp_size=2)
-    for kind in ("weight", "bias"):
-        q, k, v = (state[f"{p}{x}_proj.{kind}"] for x in "qkv")
-        expected = torch.cat([q[2 * hd : 4 * hd], k[hd : 2 * hd], v[hd : 2 * hd]])
-        assert torch.equal(local[f"decoder.layers.0.self_attention.linear_qkv.{kind}"], expected)
-
-
-def test_fc1_holds_each_ranks_gate_shard_then_up_shard(checkpoints):
-    cfg, state = checkpoints["llama"]
-    gate, up = (state[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up"))
-    fc1 = hf_to_mcore(state, cfg, tp_rank=1, tp_size=2)["decoder.layers.1.mlp.linear_fc1.weight"]
-    assert torch.equal(fc1, torch.cat([gate[32:], up[32:]]))
-
-
-def test_join_shards_rebuilds_hf_tensors_from_any_rules_tp_shards(checkpoints):
-    """What a LoRA export relies on: each rule's transform joins tp shards laid out like its
-    megatron tensor (fused qkv, per-rank [gate; up], row-split o_proj) back into HF tensors."""
-    cfg, state = checkpoints["qwen2"]
-    ranks = [hf_to_mcore(state, cfg, tp_rank=t, tp_size=2) for t in range(2)]
-    for rule in (QKV, MLP[0], O_PROJ):
-        names = [n.format(layer=1) for n in rule.hf]
-        shards = [local[rule.mcore.format(layer=1)] for local in ranks]
-        joined = join_shards(rule, names, shards, cfg)
-        assert [n for n, _ in joined] == names
-        assert all(torch.equal(t, state[n]) for n, t in joined)
-    with pytest.raises(ValueError, match="takes 3 HF names, got 1"):
-        join_shards(QKV, names[:1], shards, cfg)
-
-
-def test_experts_are_local_to_the_ep_rank_and_layers_to_the_stage(checkpoints):
-    cfg, state = checkpoints["qwen3_moe"]
-    local = hf_to_mcore(state, cfg, pp_rank=1, pp_size=2, ep_rank=1, ep_size=2)
-    got = local["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
-    assert torch.equal(got, state["model.layers.1.mlp.experts.3.down_proj.weight"])
-    assert torch.equal(
-        local["decoder.layers.0.mlp.router.weight"], state["model.layers.1.mlp.gate.weight"]
-    )
-
-
 def _mesh_states(state, cfg, mesh, with_etp):
     """Every rank of `mesh` as twinkle's Mesh places it: keys (tp, pp, ep[, etp])."""
     local = {}
@@ -495,79 +435,3 @@ def test_expert_tensor_parallelism_from_real_mesh_coordinates(checkpoints, mesh,
             hf_to_mcore(state, cfg, etp_size=2)
         with pytest.raises(ValueError, match="pass it"):
             mcore_to_hf({k[:3]: v for k, v in local.items()}, cfg, **layout)
-
-
-def test_lazy_getter_is_called_once_per_tensor_a_rank_needs(checkpoints):
-    cfg, state = checkpoints["qwen3_moe"]
-    calls = Counter()
-
-    def getter(name):
-        calls[name] += 1
-        return state[name]
-
-    hf_to_mcore(getter, cfg, tp_rank=0, tp_size=2, pp_rank=1, pp_size=2, ep_rank=0, ep_size=2)
-    assert set(calls.values()) == {1}
-    assert all(".layers.1." in n or n in ("model.norm.weight", "lm_head.weight") for n in calls)
-    assert not any(f"experts.{e}." in n for n in calls for e in (2, 3))
-
-
-def _hf_to_mcore_error(state, cfg, **kw):
-    with pytest.raises(ValueError) as info:
-        hf_to_mcore(state, cfg, **kw)
-    return str(info.value)
-
-
-def test_clear_errors(checkpoints):
-    cfg, state = checkpoints["llama"]
-    gpt2 = AutoConfig.for_model("gpt2")
-    assert "unknown model family 'gpt2'" in _hf_to_mcore_error(state, gpt2)
-    with pytest.raises(ValueError, match="unknown model family"):
-        rules_for(gpt2)
-    msg = _hf_to_mcore_error(state, cfg, tp_rank=0, tp_size=3)
-    assert "num_key_value_heads=2" in msg and "tp_size=3" in msg
-    msg = _hf_to_mcore_error(state, tiny_config("llama", num_key_value_heads=4), tp_size=8)
-    assert "num_key_value_heads" in msg
-    msg = _hf_to_mcore_error(state, tiny_config("llama", intermediate_size=66), tp_size=4)
-    assert "intermediate_size=66" in msg
-    assert "num_hidden_layers=2" in _hf_to_mcore_error(state, cfg, pp_size=3)
-    assert "tp_rank=2" in _hf_to_mcore_error(state, cfg, tp_rank=2, tp_size=2)
-    assert "vocab_multiple" in _hf_to_mcore_error(state, cfg, vocab_multiple=0)
-    moe_cfg, moe_state = checkpoints["qwen3_moe"]
-    assert "num_experts=4" in _hf_to_mcore_error(moe_state, moe_cfg, ep_size=3)
-    assert "moe_intermediate_size=16" in _hf_to_mcore_error(moe_state, moe_cfg, etp_size=3)
-
-    missing = {k: v for k, v in state.items() if k != "model.layers.1.self_attn.v_proj.weight"}
-    assert "'model.layers.1.self_attn.v_proj.weight' is missing" in _hf_to_mcore_error(missing, cfg)
-    wrong = {**state, "model.layers.0.mlp.up_proj.weight": torch.zeros(60, 32)}
-    assert "up_proj.weight" in _hf_to_mcore_error(wrong, cfg, tp_size=2)
-    with pytest.raises(TypeError, match="hf_state"):
-        hf_to_mcore(42, cfg)
-
-
-def test_in_memory_moe_state_dict_is_refused_with_a_hint():
-    cfg = tiny_config("qwen3_moe")
-    fused = AutoModelForCausalLM.from_config(cfg).state_dict()
-    msg = _hf_to_mcore_error(fused, cfg)
-    assert "experts.0.gate_proj.weight' is missing" in msg and "save_pretrained" in msg
-
-
-def test_export_errors_name_the_missing_rank_or_tensor(checkpoints):
-    cfg, state = checkpoints["qwen2"]
-    local = _all_ranks(state, cfg, 2, 1, 1)
-    with pytest.raises(ValueError, match="no rank with"):
-        list(mcore_to_hf({(0, 0, 0): local[(0, 0, 0)]}, cfg, tp_size=2, pp_size=1))
-    broken = {**local, (1, 0, 0): {}}
-    with pytest.raises(ValueError, match=r"'embedding\.word_embeddings\.weight' is missing"):
-        list(mcore_to_hf(broken, cfg, tp_size=2, pp_size=1))
-    with pytest.raises(ValueError, match="pp_rank=1 is out of range"):
-        mcore_to_hf({(0, 1, 0): {}}, cfg, tp_size=1, pp_size=1)
-
-
-def test_export_buckets_bound_size_and_keep_order():
-    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([3, 3, 10, 1, 1])]
-    buckets = list(export_buckets(iter(named), max_bytes=24))
-    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
-    assert all(sum(t.nbytes for _, t in b) <= 24 or len(b) == 1 for b in buckets)
-    assert list(export_buckets([], 8)) == []
-    with pytest.raises(ValueError, match="max_bytes"):
-        export_buckets(named, 0)

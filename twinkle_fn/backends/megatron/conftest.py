@@ -1,10 +1,14 @@
 """Shared fixtures of the megatron tests."""
 
 import pytest
+import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.mesh import Mesh
+from twinkle_fn.testing import tiny_config
 from twinkle_fn.testing_dist import free_port
 
 
@@ -20,3 +24,24 @@ def megatron_world():
     finally:
         parallel.destroy()
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """A function ``(family, **config overrides) -> (config, tensors)``: the tiny config
+    (`twinkle_fn.testing.tiny_config`) and the tensors ``save_pretrained`` writes for a model
+    built from it after ``torch.manual_seed(0)`` (the on-disk names), built once a session."""
+    built = {}
+
+    def checkpoint(name, **overrides):
+        key = (name, repr(sorted(overrides.items())))  # overrides may hold lists
+        if key not in built:
+            cfg = tiny_config(name, **overrides)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            built[key] = (cfg, load_file(path / "model.safetensors"))
+        return built[key]
+
+    return checkpoint

@@ -29,13 +29,9 @@ per tp rank (`twinkle_fn.backends.megatron.bridge_transforms`), so their saved r
 short of the loading mesh's; the rows both have are read, which hold every real token (the
 padding rows are zeros throughout: no token selects them and the loss masks them).
 
-Why not ``DistributedOptimizer.sharded_state_dict``: in megatron-core 0.19 its
-``fully_sharded_model_space`` format is refused by its own ``ShardedTensor`` (flattened ranges
-are gone), and ``fully_reshardable`` saves the state of every parameter after the first bucket
-of a buffer at the wrong offset (its gathered buffer drops the padding between buckets but is
-indexed with padded offsets; a tied embedding on a pipeline stage has its own bucket), and on
-load looks for torch Adam's ``step`` among the parameter tensors (KeyError). The layout here is
-the same model-space one, built from the optimizer's own tensors.
+The optimizer's state is laid out in model space by
+`twinkle_fn.backends.megatron.dist_checkpoint_optimizer` (which says why megatron-core's own
+``DistributedOptimizer.sharded_state_dict`` is not used).
 
 megatron-core saves through a ``multiprocessing`` Manager (spawned): a script that saves needs an
 ``if __name__ == "__main__":`` guard.
@@ -61,13 +57,15 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from torch import Tensor
 
+from twinkle_fn.backends.megatron.dist_checkpoint_optimizer import (
+    load_optimizer,
+    optimizer_common,
+    optimizer_params,
+)
+from twinkle_fn.backends.megatron.hf_weights import load_hf_weights
 from twinkle_fn.backends.megatron.lora import adapter_state_dict
 from twinkle_fn.backends.megatron.optimizer import MegatronOptState, refresh_slots
-from twinkle_fn.backends.megatron.placement import (
-    MegatronPlacement,
-    load_hf_weights,
-    model_placement,
-)
+from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
 from twinkle_fn.backends.megatron.safetensors_io import save_hf
 from twinkle_fn.backends.megatron.sharding import checkpoint_names
 from twinkle_fn.backends.megatron.weights import full_weights, settle
@@ -85,8 +83,6 @@ from twinkle_fn.tensor_specs import (
 DIST_DIR = "megatron"
 FORMAT = 1
 _RNG_KEY = "rng_state"
-# checkpoint name -> key of the main parameter's optimizer state (None: the main parameter)
-_PARAM_STATE = {"fp32_param": None, "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 def save(state: TrainState, directory: str | Path) -> None:
@@ -106,8 +102,8 @@ def save(state: TrainState, directory: str | Path) -> None:
     sharded = {
         "model": model,
         "optimizer": {
-            "params": _optimizer_params(placement, opt, model, fill=True),
-            "common": _optimizer_common(opt),
+            "params": optimizer_params(placement, opt, model, fill=True),
+            "common": optimizer_common(opt),
         },
         _RNG_KEY: _rng_object(_rng_states()),
         "twinkle": {
@@ -156,7 +152,7 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
     sharded: dict[str, Any] = {
         # read into fresh tensors: the model's own are written only once all is checked
         "model": _scratch(model),
-        "optimizer": {"params": _optimizer_params(placement, opt, model, fill=False)},
+        "optimizer": {"params": optimizer_params(placement, opt, model, fill=False)},
     }
     _check_metadata(sharded, target)
     if same_mesh:
@@ -169,7 +165,7 @@ def load(state: TrainState, directory: str | Path) -> TrainState:
     # Everything is read and checked: from here on nothing refuses.
     # with adapters, the frozen base weights are not in the checkpoint and stay as loaded
     placement.module.load_state_dict(loaded["model"], strict=placement.lora is None)
-    _load_optimizer(placement, opt, loaded["optimizer"])
+    load_optimizer(placement, opt, loaded["optimizer"])
     if same_mesh:
         _set_rng_states(loaded[_RNG_KEY])
     count = torch.tensor(meta["count"], dtype=torch.int64)
@@ -274,114 +270,6 @@ def _checked(state: TrainState) -> tuple[MegatronPlacement, MegatronOptState]:
         )
     settle(state.model)
     return placement, state.opt_state
-
-
-def _buffers(opt: MegatronOptState) -> Iterator[tuple[Any, Any]]:
-    """``(sub-optimizer, grad buffer)`` of every buffer the optimizer steps, in the same order
-    on every rank; a buffer's ``param_index_map`` gives each parameter's ``(start, end,
-    bucket)`` in it, the same on every data-parallel rank."""
-    for sub in opt.optimizer.chained_optimizers:
-        for buffer in sub.buffers:
-            yield sub, buffer
-
-
-def _owned(sub: Any, param: Tensor) -> tuple[slice, dict[str, Tensor]] | None:
-    """The flat range of `param` this data rank's optimizer owns and, by checkpoint name, the
-    optimizer tensors of that range; None when another data rank owns all of it."""
-    if param not in sub.model_param_gbuf_map:
-        return None
-    gbuf, dtype, bucket = sub.model_param_gbuf_map[param]
-    span = sub.gbuf_ranges[gbuf][dtype][bucket]["param_map"][param]["param"]
-    group, order = sub.model_param_group_index_map[param]
-    main = sub.optimizer.param_groups[group]["params"][order]
-    slot = sub.optimizer.state[main]
-    tensors = {name: main if key is None else slot[key] for name, key in _PARAM_STATE.items()}
-    return slice(span.start, span.end), tensors
-
-
-def _optimizer_params(
-    placement: MegatronPlacement, opt: MegatronOptState, model: dict[str, Any], *, fill: bool
-) -> dict[str, dict[str, Any]]:
-    """Per parameter name, its optimizer tensors shaped and sharded like the parameter's model
-    tensor (or factory) in `model`. With `fill`, each data rank writes the ranges it owns into
-    zeros and one all-reduce per buffer gathers them (a sum with one non-zero term is exact);
-    without, they are zero targets for a load (zero stays where the checkpoint has no rows: a
-    vocabulary padded further than on the saving mesh)."""
-    sharded, _ = extract_sharded_tensors_and_factories(model)
-    by_param = {id(sh.data): sh for sh in nested_values(sharded)}
-    names = {id(p): n for n, p in placement.module.named_parameters()}
-    out: dict[str, dict[str, Any]] = {}
-    for sub, buffer in _buffers(opt):
-        device = buffer.grad_data.device
-        flat = {
-            n: torch.zeros(buffer.numel, dtype=torch.float32, device=device) for n in _PARAM_STATE
-        }
-        for param, (start, _, _) in buffer.param_index_map.items():
-            owned = _owned(sub, param) if fill else None
-            if owned is not None:
-                span, tensors = owned
-                for name, tensor in tensors.items():
-                    flat[name][start + span.start : start + span.stop] = tensor.detach().view(-1)
-        if fill and sub.data_parallel_group.size() > 1:
-            for tensor in flat.values():
-                dist.all_reduce(tensor, group=sub.data_parallel_group)
-        for param, (start, end, _) in buffer.param_index_map.items():
-            sh = by_param[id(param)]
-            out[names[id(param)]] = {
-                name: _like(sh, f"optimizer.state.{name}.{sh.key}", t[start:end].view(param.shape))
-                for name, t in flat.items()
-            }
-    return out
-
-
-def _like(sh: Any, key: str, data: Tensor) -> Any:
-    """`sh` (a model ``ShardedTensor`` or factory) for another tensor of the same shape."""
-    if isinstance(sh, ShardedTensorFactory):
-        return dataclasses.replace(sh, key=key, data=data)
-    return dataclasses.replace(sh, key=key, data=data, dtype=data.dtype)
-
-
-def _optimizer_common(opt: MegatronOptState) -> dict[str, Any]:
-    """The optimizer's non-tensor state every rank shares: Adam's step (as megatron reads it
-    from torch's, TransformerEngine's or apex's Adam) and the fp16 grad scaler's state. The
-    sub-optimizers of megatron's chain (dense, expert-parallel) differ with the mesh, so the
-    first one's is saved and loaded into each."""
-    first = opt.optimizer.chained_optimizers[0].state_dict()
-    return {
-        "step": first["optimizer"]["param_groups"][0].get("step"),
-        "grad_scaler": first.get("grad_scaler"),
-    }
-
-
-def _load_optimizer(placement: MegatronPlacement, opt: MegatronOptState, loaded: dict) -> None:
-    """Copy this data rank's ranges of the loaded parameter state into the optimizer's tensors,
-    then its step and grad scaler through megatron's ``load_state_dict`` (of each
-    sub-optimizer's own state with those replaced, so its parameter groups match). That gives
-    every parameter of torch's Adam one shared ``step`` tensor, which the per-parameter update
-    would advance once per parameter: each parameter gets its own copy."""
-    names = {id(p): n for n, p in placement.module.named_parameters()}
-    with torch.no_grad():
-        for sub, buffer in _buffers(opt):
-            for param in buffer.param_index_map:
-                owned = _owned(sub, param)
-                if owned is None:
-                    continue
-                span, tensors = owned
-                saved = loaded["params"][names[id(param)]]
-                for name, tensor in tensors.items():
-                    tensor.view(-1).copy_(saved[name].reshape(-1)[span])
-    common = loaded["common"]
-    for sub in opt.optimizer.chained_optimizers:
-        state = sub.state_dict()
-        if common["step"] is not None:
-            for group in state["optimizer"]["param_groups"]:
-                group["step"] = common["step"]
-        if common["grad_scaler"] is not None:
-            state["grad_scaler"] = common["grad_scaler"]
-        sub.load_state_dict(state)
-        for slot in sub.optimizer.state.values():
-            if isinstance(slot.get("step"), Tensor):
-                slot["step"] = slot["step"].clone()
 
 
 def _rng_object(states: dict[str, Any] | None) -> ShardedObject:

@@ -28,7 +28,8 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from twinkle_fn.backends.buckets import Bucket, buckets
-from twinkle_fn.backends.megatron.bridge import _join, _layout, _slots, join_shards
+from twinkle_fn.backends.megatron.bridge_layout import _layout, _slots
+from twinkle_fn.backends.megatron.bridge_to_hf import _join, join_shards
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
 from twinkle_fn.backends.megatron.lora_peft import expert_factor_name, expert_factors_to_peft
 from twinkle_fn.backends.megatron.lora_targets import hf_modules, layer_linears

@@ -1,22 +1,21 @@
 """Where a model lives on the megatron backend, and how it gets there.
 
 `place` builds this rank's ``GPTModel`` pipeline stage from the model's HF config over
-megatron-core's process groups (`twinkle_fn.backends.megatron.parallel`), loads this rank's slices of the
-HF weights through the bridge, and wraps the stage in ``Float16Module`` (bf16 / fp16) and
-megatron's ``DistributedDataParallel`` (fp32 grad buffers, the distributed optimizer's layout,
-reductions overlapped with backward unless ``overlap_grad_reduce=False``, see
-`twinkle_fn.backends.megatron.grad_sync`). `twinkle_fn.backends.megatron.backend` describes the ``Model.options``
-it reads.
+megatron-core's process groups (`twinkle_fn.backends.megatron.parallel`), loads this rank's
+slices of the HF weights through the bridge (`twinkle_fn.backends.megatron.hf_weights`), and
+wraps the stage in ``Float16Module`` (bf16 / fp16) and megatron's ``DistributedDataParallel``
+(fp32 grad buffers, the distributed optimizer's layout, reductions overlapped with backward
+unless ``overlap_grad_reduce=False``, see `twinkle_fn.backends.megatron.grad_sync`). It reads
+the ``Model.options`` that `twinkle_fn.backends.megatron.placement_options` checks and
+`twinkle_fn.backends.megatron.backend` describes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
-from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,54 +28,20 @@ from torch import Tensor
 from twinkle_fn.backends.megatron import grad_sync, parallel, param_sync
 from twinkle_fn.backends.megatron.bridge_rules import value_bias
 from twinkle_fn.backends.megatron.fp8_linears import use_fp8_linears
+from twinkle_fn.backends.megatron.hf_weights import load_hf_weights
 from twinkle_fn.backends.megatron.layer_compile import compile_decoder_layers
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
 from twinkle_fn.backends.megatron.model import build_gpt_model
-from twinkle_fn.backends.megatron.safetensors_io import SafetensorsReader
-from twinkle_fn.backends.megatron.sharding import (
-    checkpoint_names,
-    iter_local_weights,
-    vocab_multiple,
+from twinkle_fn.backends.megatron.placement_options import (
+    ROUTER_LOSS_FIELDS,
+    Options,
+    read_options,
 )
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import family
 from twinkle_fn.models.model import Model
-from twinkle_fn.tensor_specs import check_finite
 
 PLACEMENT_ATTR = "twinkle_placement"  # a weakref set on every parameter by `prepare`
-_OWN_OPTIONS = (
-    "num_micro_batches",
-    "vocab_multiple",
-    "use_te",
-    "grouped_experts",
-    "lora",
-    "lora_name",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "grad_bucket_size",
-    "compile_layers",
-    "fp8",
-    "router_loss",
-)
-# megatron-core's own router losses: twinkle computes them (`twinkle_fn.moe`, the option
-# router_loss), the same on both backends, so megatron's stay off.
-_ROUTER_LOSS_FIELDS = MappingProxyType(
-    dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
-)
-# TransformerConfig fields the mesh or this backend's loss and gradient handling decide.
-_FIXED_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-    "sequence_parallel",
-    "calculate_per_token_loss",
-    "finalize_model_grads_func",
-    "bf16",
-    "fp16",
-)
 # Every parameter is overwritten by the HF weights (`load_hf_weights` refuses a missing one), so
 # the stage is built uninitialised, in the compute dtype (what ``Float16Module`` casts it to
 # anyway), directly on the GPU when there is one: megatron's default float32 CPU initialisation
@@ -140,7 +105,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     as ``build_gpt_model`` does; ``RuntimeError`` without a process group on a multi-rank mesh or
     when the weights do not fit the model.
     """
-    opts = _options(model.options, mesh)
+    opts = read_options(model.options, mesh)
     if model.options.get("lora") is not None and model.head == "value":
         raise ValueError(
             "LoRA on a value model would freeze its freshly initialised value head (only "
@@ -148,7 +113,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
         )
     overrides = opts.overrides
     if family(model.config).moe is not None:
-        overrides = {**overrides, **_ROUTER_LOSS_FIELDS}
+        overrides = {**overrides, **ROUTER_LOSS_FIELDS}
     if getattr(model.module, "is_gradient_checkpointing", False):
         overrides = {**_FULL_RECOMPUTE, **overrides}
     _ensure_process_group(mesh)
@@ -212,57 +177,6 @@ def model_placement(model: Model) -> MegatronPlacement:
     return placement
 
 
-class _Options(NamedTuple):
-    num_micro_batches: int
-    vocab_multiple: int
-    use_te: bool | None
-    grouped_experts: bool
-    overrides: dict[str, Any]  # TransformerConfig fields
-    overlap_grad_reduce: bool
-    overlap_param_gather: bool
-    grad_bucket_size: int | None
-
-
-def _options(options: Mapping[str, Any], mesh: Mesh) -> _Options:
-    """The backend's own options, checked, and the ``TransformerConfig`` overrides."""
-    fixed = sorted(set(options) & set(_FIXED_FIELDS))
-    if fixed:
-        raise ValueError(
-            f"option(s) {', '.join(fixed)} are set by the mesh and the megatron backend (tp, pp, "
-            "cp, ep, etp and sequence_parallel from twinkle_fn.Mesh, precision from the model; "
-            "virtual pipeline parallelism is not supported yet); drop them from the options"
-        )
-    native = sorted(set(options) & set(_ROUTER_LOSS_FIELDS))
-    if native:
-        raise ValueError(
-            f"option(s) {', '.join(native)} would turn on megatron-core's own router losses; "
-            "set option router_loss={'aux_coef': ..., 'aux_kind': 'hf' | 'megatron', "
-            "'z_coef': ...} instead (twinkle_fn.moe.RouterLoss: the same on both backends)"
-        )
-    overrides = {k: v for k, v in options.items() if k not in _OWN_OPTIONS}
-    num = options.get("num_micro_batches", mesh.pp)
-    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
-        raise ValueError(f"option num_micro_batches must be a positive int, got {num!r}")
-    multiple = vocab_multiple(options)
-    overlap = options.get("overlap_grad_reduce", True)
-    gather = options.get("overlap_param_gather", False)
-    grouped = options.get("grouped_experts", True)
-    for name, value in (
-        ("overlap_grad_reduce", overlap),
-        ("overlap_param_gather", gather),
-        ("grouped_experts", grouped),
-    ):
-        if not isinstance(value, bool):
-            raise ValueError(f"option {name} must be a bool, got {value!r}")
-    bucket_size = options.get("grad_bucket_size")
-    if bucket_size is not None and (
-        isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-    ):
-        raise ValueError(f"option grad_bucket_size must be a positive int, got {bucket_size!r}")
-    use_te = options.get("use_te")
-    return _Options(num, multiple, use_te, grouped, overrides, overlap, gather, bucket_size)
-
-
 def _ensure_process_group(mesh: Mesh) -> None:
     if dist.is_initialized():
         return
@@ -298,94 +212,7 @@ def _ensure_parallel_state(mesh: Mesh) -> None:
         )
 
 
-def load_hf_weights(
-    gpt: torch.nn.Module, model: Model, mesh: Mesh, vocab_multiple: int, *, fresh: bool = False
-) -> None:
-    """Copy this rank's slices of the model's HF weights into `gpt` (read from the files when
-    the model has a ``weights_dir``, else from its module, in HF checkpoint names), cut by
-    `sharding.local_weights`: what ``tf.shard(params, mesh, model)`` computes. On a `fresh` `gpt`
-    (the model's first load), tensors the files lack are read from the module where it
-    holds them: a critic loaded from a causal LM's checkpoint has its body in the files and
-    its freshly initialised value head in the module (`twinkle_fn.models.from_pretrained`).
-
-    Slices stream one at a time: each is read from the memory-mapped file straight onto
-    `gpt`'s device and converted there (q/k/v and gate/up fused, the vocabulary padded), and
-    their finiteness is checked with one host sync at the end (agreed over the ranks). A
-    `fresh` `gpt` (being built: nothing else can see it) takes each slice as it arrives, so no
-    second copy of the model is held and a refused load leaves nothing behind; otherwise (a
-    live state's model) every slice is read and checked before the first is written, so a
-    refused load leaves `gpt` as it was. Raises ``RuntimeError`` when the slices do not fit
-    `gpt` (naming the missing, unexpected and misshapen ones) and ``ValueError`` naming the
-    tensor holding NaN or infinity.
-    """
-    rank = dist.get_rank()
-    own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("._extra_state")}
-    device = next(iter(own.values())).device
-    slices: dict[str, Tensor] = {}  # what was read: the parameters themselves when fresh
-    unexpected: list[str] = []
-    misshapen: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-    with contextlib.ExitStack() as stack:
-        if model.weights_dir is not None:
-            source = f"the HF checkpoint {model.weights_dir}"
-            hf: Any = stack.enter_context(SafetensorsReader(model.weights_dir, device))
-            held = {n: t for n, t in model.module.state_dict().items() if not t.is_meta}
-            if fresh and held:
-                hf = _Overlay(hf, held)
-        else:
-            source = "the model's module"
-            hf = checkpoint_names(model, model.module.state_dict())
-        weights = iter_local_weights(hf, model.config, mesh, rank, vocab_multiple, model.head)
-        with torch.no_grad():
-            for name, tensor in weights:
-                dst = own.get(name)
-                if dst is None:
-                    unexpected.append(name)
-                elif dst.shape != tensor.shape:
-                    misshapen.append((name, tuple(tensor.shape), tuple(dst.shape)))
-                elif fresh:
-                    slices[name] = dst.copy_(tensor)
-                else:
-                    slices[name] = tensor
-    missing = sorted(set(own) - set(slices) - {n for n, _, _ in misshapen})
-    if missing or unexpected or misshapen:
-        raise RuntimeError(
-            f"the HF weights of {source} do not fit the megatron model: missing {missing[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}, other shapes {misshapen[:3]}"
-        )
-    check_finite(slices, where=f"{source} (megatron slices)", device=device)
-    if not fresh:
-        with torch.no_grad():
-            for name, tensor in slices.items():
-                own[name].copy_(tensor)
-
-
-class _Overlay:
-    """A `twinkle_fn.backends.megatron.bridge.SliceSource`: `files`' tensors, and where they
-    lack one, `held`'s (whole tensors by HF name)."""
-
-    def __init__(self, files: SafetensorsReader, held: Mapping[str, Tensor]) -> None:
-        self._files, self._held = files, held
-
-    def _from_files(self, name: str) -> bool:
-        try:
-            self._files.shape(name)
-        except KeyError:
-            return name not in self._held
-        return True
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._files.shape(name) if self._from_files(name) else tuple(self._held[name].shape)
-
-    def get(self, name: str) -> Tensor:
-        return self._files.get(name) if self._from_files(name) else self._held[name].detach()
-
-    def get_rows(self, name: str, dim: int, start: int, stop: int) -> Tensor:
-        if self._from_files(name):
-            return self._files.get_rows(name, dim, start, stop)
-        return self._held[name].detach().narrow(dim, start, stop - start)
-
-
-def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module, opts: _Options) -> DistributedDataParallel:
+def _ddp(gpt: torch.nn.Module, wrapped: torch.nn.Module, opts: Options) -> DistributedDataParallel:
     """megatron's DDP around `wrapped`: fp32 grad buffers laid out for the distributed
     optimizer in buckets of ``opts.grad_bucket_size`` elements (default: megatron's
     ``max(4e7, 1e6 * dp)`` with either overlap, else one bucket), each reduced during backward

@@ -1,31 +1,9 @@
-"""`place` refuses options the mesh and the backend decide; building, loading and wrapping the
-stage on every mesh is checked end to end in `megatron_test.py`."""
-
-import pytest
+"""`place` runs megatron's recompute settings as named and frees a dropped model; the options it
+refuses are `placement_options_test`'s, and building, loading and wrapping the stage on every
+mesh is checked end to end in `backend_test`."""
 
 import twinkle_fn as tf
-from twinkle_fn.backends.megatron.placement import place
 from twinkle_fn.testing import tiny_config
-
-
-@pytest.mark.parametrize(
-    ("options", "match"),
-    [
-        ({"tensor_model_parallel_size": 2}, "set by the mesh"),
-        ({"virtual_pipeline_model_parallel_size": 2}, "virtual pipeline"),
-        ({"num_micro_batches": 0}, "num_micro_batches must be a positive int"),
-        ({"overlap_grad_reduce": 1}, "overlap_grad_reduce must be a bool"),
-        ({"grouped_experts": "yes"}, "grouped_experts must be a bool"),
-        ({"grad_bucket_size": 0}, "grad_bucket_size must be a positive int"),
-    ],
-)
-def test_options_the_backend_decides_are_refused(options, match):
-    model = tf.models.from_hf_config(
-        tiny_config("qwen2"), seed=0, backend="megatron", options=options
-    )
-    with pytest.raises(ValueError, match=match):
-        place(model, tf.Mesh())
-
 
 # recompute option -> (core-attention forwards, MLP forwards) of one step of the 2-layer model:
 # each recomputed module runs its forward again in backward.
