@@ -13,6 +13,9 @@ a few fields have upstream's other names (``--lr``, ``--num-gpus``, ``--max-new-
 value is converted to its field's type (``--lr 1e-4`` a float, ``--lora-target-modules
 q_proj,v_proj`` a list) and checked against its choices; a value that does not convert raises
 ``ValueError`` naming the flag, the value and what it takes.
+
+This module reads the sources and finds each key's field; the groups are dataclasses in
+`twinkle.cli._arg_groups`, and `twinkle.cli._arg_values` converts a value to its field's type.
 """
 
 from __future__ import annotations
@@ -20,260 +23,54 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
+from twinkle.cli._arg_groups import (
+    GROUPS,
+    Args,
+    CheckpointArgs,
+    DatasetArgs,
+    InfraArgs,
+    LoraArgs,
+    LossArgs,
+    ModelArgs,
+    OptimizerArgs,
+    RLArgs,
+    SamplerArgs,
+    SamplingArgs,
+    SchedulerArgs,
+    ServerArgs,
+    TemplateArgs,
+    TrainingArgs,
+)
+from twinkle.cli._arg_values import auto, convert
 
-@dataclass
-class ModelArgs:
-    """What model to train and how it is built (`model_id`: a local directory or hub id)."""
-
-    model_id: str | None = None
-    model_cls: str | None = None
-    tokenizer_id: str | None = None
-    mixed_precision: Literal["no", "fp8", "fp16", "bf16"] = "bf16"
-    strategy: Literal["accelerate", "native_fsdp"] = "accelerate"
-    memory_efficient_init: bool = False
-    gradient_checkpointing: bool = True
-    trust_remote_code: bool = True
-    load_weights: bool = True
-    recompute_granularity: str | None = "full"
-    recompute_method: str | None = "uniform"
-    recompute_num_layers: int | None = 1
-    recompute_modules: list[str] | None = None
-    use_distributed_optimizer: bool = True
-    variable_seq_lengths: bool = True
-    enable_liger: bool = False
-    enable_fused_ce: bool = True
-
-
-@dataclass
-class LoraArgs:
-    """The LoRA adapter (`get_lora_args` gives peft's ``LoraConfig`` fields)."""
-
-    use_lora: bool = False
-    lora_r: int = 8
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
-    adapter_name: str = "default"
-    lora_path: str | None = None
-
-
-@dataclass
-class DatasetArgs:
-    dataset_id: str = ""
-    subset_name: str = "default"
-    split: str = "train"
-    streaming: bool = False
-    num_proc: int | None = None
-    data_slice: str | None = None
-    revision: str | None = None
+__all__ = [
+    "CLI",
+    "Args",
+    "CheckpointArgs",
+    "DatasetArgs",
+    "InfraArgs",
+    "LoraArgs",
+    "LossArgs",
+    "ModelArgs",
+    "OptimizerArgs",
+    "RLArgs",
+    "SamplerArgs",
+    "SamplingArgs",
+    "SchedulerArgs",
+    "ServerArgs",
+    "TemplateArgs",
+    "TrainingArgs",
+    "parse_argv",
+]
 
 
-@dataclass
-class TemplateArgs:
-    template_cls: str | None = None
-    model_id: str | None = None
-    max_length: int = 8192
-    truncation_strategy: Literal["raise", "left", "right", "split", "delete"] = "raise"
-    use_chat_template: bool = True
-    enable_thinking: bool = True
-    default_system: str | None = None
-
-
-@dataclass
-class TrainingArgs:
-    max_steps: int = 200
-    num_train_epochs: int | None = None
-    batch_size: int = 8
-    mini_batch_size: int | None = None
-    micro_batch_size: int = 2
-    gradient_accumulation_steps: int = 1
-    output_dir: str = "./output"
-    save_steps: int = 50
-    save_total_limit: int | None = None
-    log_interval: int = 10
-    eval_interval: int | None = None
-    eval_samples: int | None = None
-    train_samples: int | None = None
-    resume_from_checkpoint: str | None = None
-    resume_only_model: bool = False
-    ignore_data_skip: bool = False
-    seed: int = 42
-    full_determinism: bool = False
-    padding_free: bool = False
-
-
-@dataclass
-class OptimizerArgs:
-    optimizer_cls: str = "AdamW"
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-
-
-@dataclass
-class SchedulerArgs:
-    scheduler_cls: str = "CosineAnnealingLR"
-    num_warmup_steps: int = 0
-    num_training_steps: int | None = None
-    t_max: int | None = None
-    eta_min: float = 0.0
-    lr_decay_steps: int | None = None
-    max_lr: float | None = None
-
-
-@dataclass
-class LossArgs:
-    loss_cls: str = "CrossEntropyLoss"
-    loss_type: str = "sigmoid"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    beta: float = 0.1
-    sft_weight: float = 1.0
-    entropy_coef: float = 0.0
-    ignore_index: int = -100
-
-
-@dataclass
-class SamplerArgs:
-    sampler_type: str = "vLLMSampler"
-    gpu_memory_utilization: float = 0.8
-    max_model_len: int | None = None
-    tensor_parallel_size: int | None = None
-    enable_lora: bool = False
-    max_lora_rank: int = 32
-    enforce_eager: bool = False
-
-
-@dataclass
-class SamplingArgs:
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    num_samples: int = 1
-    logprobs: int | None = None
-    seed: int | None = None
-    stop: str | None = None
-
-
-@dataclass
-class InfraArgs:
-    """How the run is laid out: `mode` (``local``: torchrun; ``ray``) and the mesh sizes."""
-
-    mode: Literal["local", "ray"] = "local"
-    nproc_per_node: int = 8
-    ncpu_proc_per_node: int = 8
-    model_gpus: int | None = None
-    sampler_gpus: int | None = None
-    ref_model_gpus: int | None = None
-    world_size: int | None = None
-    dp_size: int | None = None
-    fsdp_size: int | None = None
-    tp_size: int | None = None
-    pp_size: int | None = None
-    cp_size: int | None = None
-    ep_size: int | None = None
-    etp_size: int | None = None
-    ep_fsdp_size: int | None = None
-    vpp_size: int | None = None
-    ulysses_size: int | None = None
-    sequence_parallel: bool = False
-    lazy_collect: bool = True
-
-
-@dataclass
-class ServerArgs:
-    config: str | None = None
-    ray_namespace: str = "twinkle_cluster"
-    host: str = "0.0.0.0"
-    port: int = 8000
-    log_level: str = "INFO"
-
-
-@dataclass
-class RLArgs:
-    num_generations: int = 8
-    advantage_type: str = "GRPOAdvantage"
-    advantage_scale: Literal["group", "batch", "none"] = "group"
-    reward_fns: list[str] | None = None
-    student_model_id: str | None = None
-    teacher_model_id: str | None = None
-    gkd_beta: float = 0.5
-    gkd_temperature: float = 1.0
-    gkd_topk: int = 64
-    router_replay_mode: Literal["disabled", "R2", "R3"] = "disabled"
-
-
-@dataclass
-class CheckpointArgs:
-    save_optimizer: bool = True
-    merge_and_sync: bool = True
-    platform: str = "GPU"
-    lora_sync_dir: str | None = None
-
-
-@dataclass
-class Args:
-    """Every group of a script's settings, and ``extra``: the keys no group knows."""
-
-    model: ModelArgs = field(default_factory=ModelArgs)
-    lora: LoraArgs = field(default_factory=LoraArgs)
-    dataset: DatasetArgs = field(default_factory=DatasetArgs)
-    template: TemplateArgs = field(default_factory=TemplateArgs)
-    training: TrainingArgs = field(default_factory=TrainingArgs)
-    optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
-    scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
-    loss: LossArgs = field(default_factory=LossArgs)
-    sampler: SamplerArgs = field(default_factory=SamplerArgs)
-    sampling: SamplingArgs = field(default_factory=SamplingArgs)
-    infra: InfraArgs = field(default_factory=InfraArgs)
-    server: ServerArgs = field(default_factory=ServerArgs)
-    rl: RLArgs = field(default_factory=RLArgs)
-    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def get_lora_args(self) -> dict[str, Any]:
-        """peft ``LoraConfig`` keyword arguments: ``target_modules`` (default
-        ``'all-linear'``), ``r``, ``lora_alpha``, ``lora_dropout``."""
-        return {
-            "target_modules": self.lora.lora_target_modules or "all-linear",
-            "r": self.lora.lora_r,
-            "lora_alpha": self.lora.lora_alpha,
-            "lora_dropout": self.lora.lora_dropout,
-        }
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value of `key` in whichever group has it (the first in field order), else
-        ``extra[key]``, else `default`."""
-        for name in _GROUPS:
-            group = getattr(self, name)
-            if hasattr(group, key):
-                return getattr(group, key)
-        return self.extra.get(key, default)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every group's fields (and ``extra``) in one flat mapping."""
-        flat: dict[str, Any] = {}
-        for name in _GROUPS:
-            flat.update(dataclasses.asdict(getattr(self, name)))
-        flat.update(self.extra)
-        return flat
-
-
-_GROUPS = tuple(f.name for f in dataclasses.fields(Args) if f.name != "extra")
 # A field name two groups share -> the group a bare key sets (``--model-id``, ``--seed``).
 _PRIMARY = {"model_id": "model", "seed": "training"}
 # upstream's other names of a field
@@ -293,7 +90,7 @@ def _field_index() -> dict[str, tuple[str, str]]:
     """Normalised key -> (group, field): bare field names, and ``<group>_<field>``."""
     index: dict[str, tuple[str, str]] = {}
     owners: dict[str, list[str]] = {}
-    for group in _GROUPS:
+    for group in GROUPS:
         for f in dataclasses.fields(Args.__dataclass_fields__[group].default_factory()):
             owners.setdefault(f.name, []).append(group)
             index[f"{group}_{f.name}"] = (group, f.name)
@@ -339,67 +136,11 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}_{key}" if prefix else str(key)
-        if isinstance(value, Mapping) and _normal(name) in _GROUPS:
+        if isinstance(value, Mapping) and _normal(name) in GROUPS:
             flat.update(_flatten(value, name))
         else:
             flat[name] = value
     return flat
-
-
-def _convert(hint: Any, value: Any, where: str) -> Any:
-    """`value` (a string from argv or the environment, or a YAML value) as type `hint`.
-    Raises ``ValueError`` naming `where`, the value and the type or choices it takes."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-        if type(None) in options:
-            return None
-        raise ValueError(f"{where}: {value!r} is not allowed here (it needs a value)")
-    kind = next(t for t in options if t is not type(None))
-    origin = typing.get_origin(kind) or kind
-    if origin is Literal:
-        choices = typing.get_args(kind)
-        if value not in choices:
-            raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    text = value.strip() if isinstance(value, str) else None
-    try:
-        if origin is bool:
-            if isinstance(value, bool):
-                return value
-            truth = {"true": True, "yes": True, "on": True, "1": True}
-            truth.update({"false": False, "no": False, "off": False, "0": False})
-            return truth[(text or "").lower()]
-        if origin is int and not isinstance(value, bool):
-            number = float(text) if text is not None else value
-            if number != int(number):
-                raise ValueError
-            return int(number)
-        if origin is float and not isinstance(value, bool):
-            return float(text if text is not None else value)
-        if origin is list:
-            items = value if isinstance(value, list) else text.split(",")
-            return [str(v).strip() for v in items if str(v).strip()]
-        if origin is str:
-            return str(value)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass
-    name = getattr(kind, "__name__", str(kind))
-    raise ValueError(f"{where}: {value!r} is not a {name}")
-
-
-def _auto(value: Any) -> Any:
-    """An ``extra`` value from argv: a bool, int or float where it reads as one, else as is."""
-    if not isinstance(value, str):
-        return value
-    low = value.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
 
 
 class CLI:
@@ -448,9 +189,9 @@ def _apply(args: Args, values: Mapping[str, Any], source: str) -> None:
         normal = _normal(key)
         where = f"--{key}" if source == "flag" else f"{source}: {key}"
         if normal not in _INDEX:
-            args.extra[normal] = value if source.startswith("--config") else _auto(value)
+            args.extra[normal] = value if source.startswith("--config") else auto(value)
             continue
         group_name, name = _INDEX[normal]
         group = getattr(args, group_name)
         hint = typing.get_type_hints(type(group))[name]
-        setattr(group, name, _convert(hint, value, where))
+        setattr(group, name, convert(hint, value, where))

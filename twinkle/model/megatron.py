@@ -29,6 +29,8 @@ come from the same model with its adapter off (``forward_only(disable_lora=True)
 
 What both model classes share (step gating, metrics, settings, checkpoints) is in
 `twinkle.model._base.TrainableModel`; what this class refuses of it is `MegatronModel._REFUSED`.
+Upstream's megatron settings (optimizer, scheduler, ``ddp_config``, recompute) become the core's
+in `twinkle.model._megatron_options`.
 An adapter saved with ``save_optimizer=True`` carries its training state (``train_state/``, a
 megatron dist checkpoint of the adapters and their optimizer state), which
 ``resume_from_checkpoint`` (or ``load(..., load_optimizer=True)``) restores on any mesh.
@@ -50,85 +52,23 @@ import twinkle_fn as tf
 from twinkle.data_format import ModelOutput
 from twinkle.device_mesh import DeviceMesh
 from twinkle.infra import remote_class, remote_function
-from twinkle.model import _accumulate, _build, _group, _inputs, optim
+from twinkle.model import _accumulate, _build, _group, _inputs
 from twinkle.model._base import TrainableModel
+from twinkle.model._megatron_options import (
+    DEFAULT_LR,
+    OPTIMIZERS,
+    SCHEDULERS,
+    check_ddp_config,
+    check_scheduler,
+    model_options,
+    optimizer_spec,
+)
 from twinkle.processor import unpack
 from twinkle_fn.models.model import resolve_model_dir
 from twinkle_fn.optim import GradientTransformation
 
-OPTIMIZERS = ("default", "MegatronDistributedOptimizer")
-SCHEDULERS = ("default", "OptimizerParamScheduler")
-DEFAULT_LR = 1e-4  # upstream's OptimizerConfig default
-# Upstream's set_optimizer names (megatron's OptimizerConfig) -> `megatron_optimizer`'s.
-_OPTIMIZER_ARGS = {
-    "weight_decay": "weight_decay",
-    "adam_beta1": "b1",
-    "adam_beta2": "b2",
-    "adam_eps": "eps",
-    "clip_grad": "clip_grad",
-    "loss_scale": "loss_scale",
-    "initial_loss_scale": "initial_loss_scale",
-}
-# What the core's DDP does (upstream's defaults); other values are refused. overlap_grad_reduce
-# and overlap_param_gather are the core's options of those names (either value).
-_CORE_OPTIONS = ("overlap_grad_reduce", "overlap_param_gather")
-_DDP_CONFIG = {
-    "grad_reduce_in_fp32": True,
-    "use_distributed_optimizer": True,
-}
-
-
-def optimizer_spec(optimizer_cls: Any, **kwargs: Any) -> optim.OptimizerSpec:
-    """Megatron's distributed Adam with upstream's ``OptimizerConfig`` arguments (``lr``
-    default 1e-4, ``weight_decay``, ``adam_beta1``/``adam_beta2``/``adam_eps``, ``clip_grad``
-    default 1.0, ``loss_scale``, ``initial_loss_scale``).
-
-    Raises ``ValueError`` for an optimizer other than 'default' / 'MegatronDistributedOptimizer'
-    or an out-of-range value, ``TypeError`` for an unknown argument.
-    """
-    name = optim._name(optimizer_cls)
-    if name not in OPTIMIZERS:
-        raise ValueError(
-            f"MegatronModel does not support optimizer {optimizer_cls!r}: megatron trains with "
-            f"its distributed optimizer only; pass one of {', '.join(map(repr, OPTIMIZERS))}"
-        )
-    lr = kwargs.pop("lr", DEFAULT_LR)
-    unknown = sorted(set(kwargs) - set(_OPTIMIZER_ARGS))
-    if unknown:
-        raise TypeError(
-            f"set_optimizer arguments {unknown} are not supported; known: lr, "
-            f"{', '.join(_OPTIMIZER_ARGS)}"
-        )
-    spec = optim.OptimizerSpec(
-        OPTIMIZERS[1], lr, {_OPTIMIZER_ARGS[k]: v for k, v in kwargs.items()}
-    )
-    tf.optim.megatron_optimizer(lr, **spec.kwargs)  # check the values now, not at the first step
-    return spec
-
-
-def _check_ddp_config(ddp_config: Mapping[str, Any] | None) -> None:
-    """Raises ``ValueError`` for a `ddp_config` entry the core's megatron DDP does not run."""
-    for key, value in (ddp_config or {}).items():
-        if key in _CORE_OPTIONS and isinstance(value, bool):
-            continue
-        if _DDP_CONFIG.get(key, object()) != value:
-            raise ValueError(
-                f"ddp_config {key}={value!r} is not supported: the core's megatron DDP runs "
-                f"with {_DDP_CONFIG}"
-            )
-
-
-def _recompute(granularity: str | None, method: str | None, num_layers: int | None) -> dict:
-    """Megatron's recompute fields: none without a granularity, only it for 'selective'."""
-    if granularity is None:
-        return {}
-    if granularity == "selective":
-        return {"recompute_granularity": granularity}
-    return dict(
-        recompute_granularity=granularity,
-        recompute_method=method,
-        recompute_num_layers=num_layers,
-    )
+# `optimizer_spec` and the accepted names are read from here too (tests, user code).
+__all__ = ["DEFAULT_LR", "OPTIMIZERS", "SCHEDULERS", "MegatronModel", "optimizer_spec"]
 
 
 @remote_class(execute="all")
@@ -188,15 +128,15 @@ class MegatronModel(TrainableModel):
         optimizer_offload: bool = False,
         **kwargs: Any,
     ) -> None:
-        _check_ddp_config(ddp_config)
+        check_ddp_config(ddp_config)
         super().__init__(
             model_id, device_mesh, mixed_precision, kwargs, optimizer=optimizer_spec("default")
         )
         if model_id is not None and not load_weights:
             model_id, config = None, AutoConfig.from_pretrained(resolve_model_dir(model_id))
-        options = {**_recompute(recompute_granularity, recompute_method, recompute_num_layers)}
-        options.update({k: v for k, v in (ddp_config or {}).items() if k in _CORE_OPTIONS})
-        options.update(kwargs)
+        options = model_options(
+            ddp_config, recompute_granularity, recompute_method, recompute_num_layers, kwargs
+        )
         self._model = _build.build_model(
             model_id,
             None if model_id is not None else config,
@@ -407,12 +347,7 @@ class MegatronModel(TrainableModel):
         Raises ``ValueError`` for any other scheduler, naming the accepted ones, and for values
         megatron rejects, before changing anything."""
         g = self._resolve(kwargs.pop("adapter_name", None))
-        if optim._name(scheduler_cls) not in SCHEDULERS:
-            raise ValueError(
-                f"MegatronModel does not support lr scheduler {scheduler_cls!r}: megatron "
-                f"schedules with OptimizerParamScheduler only; pass one of "
-                f"{', '.join(map(repr, SCHEDULERS))}"
-            )
+        check_scheduler(scheduler_cls)
         _group.set_scheduler(g, scheduler_cls, kwargs)
         self._renew_optimizer(g)
 
