@@ -11,6 +11,10 @@ backward kernels that read those inputs anyway. A ``memory_budget`` below 1 trad
 recompute (matmuls, attention) for memory, layer by layer: activation checkpointing's trade,
 at a finer grain (at 1.5B on an H200, budget 0.6 held 25.4 GiB at 40.9% MFU where
 checkpointing every layer held 24.0 GiB at 35.4%; `benchmarks/RESULTS.md`).
+
+``{"mode": "reduce-overhead"}`` also captures each layer in CUDA graphs, which removes the
+kernels' launch cost from the host; it pays only where the host, not the GPU, bounds the step
+(a Qwen3-4B LoRA step on an H200 went from 276 to 183 ms of host time at the same 288 ms).
 """
 
 from __future__ import annotations
