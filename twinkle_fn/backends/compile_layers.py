@@ -14,7 +14,7 @@ checkpointing every layer held 24.0 GiB at 35.4%; `benchmarks/RESULTS.md`).
 
 ``{"mode": "reduce-overhead"}`` also captures each layer in CUDA graphs, which removes the
 kernels' launch cost from the host; it pays only where the host, not the GPU, bounds the step
-(a Qwen3-4B LoRA step on an H200 went from 276 to 183 ms of host time at the same 288 ms).
+(a Qwen3-4B LoRA step on an H200 went from 276 to 183 ms of host time, its ~290 ms unchanged).
 """
 
 from __future__ import annotations
