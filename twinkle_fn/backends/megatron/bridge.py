@@ -14,8 +14,9 @@ that tensor parallelism splits. This module gathers the bridge's public names; t
   reading only that rank's slices when the source supports partial reads (`SliceSource`, e.g.
   `twinkle_fn.backends.megatron.safetensors_io.SafetensorsReader`);
 - `twinkle_fn.backends.megatron.bridge_to_hf`: `mcore_to_hf` streams full HF tensors from every
-  rank's local state, layer by layer, and `export_buckets` groups that stream into
-  size-bounded lists for saving or for an inference engine.
+  rank's local state, layer by layer; `export_buckets` (`twinkle_fn.backends.buckets.buckets`,
+  the bucketing every export uses) groups that stream into size-bounded lists for saving or for
+  an inference engine.
 
 Layout conventions (megatron-core's): decoder layers are numbered locally per pipeline stage,
 stage ``s`` holding global layers ``[s * L / pp, (s + 1) * L / pp)``; the embedding lives on the
@@ -26,6 +27,7 @@ is imported there and never exported. Experts are numbered locally per expert-pa
 parallel size ``etp`` (twinkle's `Mesh` default is 1; megatron-core's own default is the TP size).
 """
 
+from twinkle_fn.backends.buckets import buckets as export_buckets
 from twinkle_fn.backends.megatron.bridge_rules import (
     EMBEDDING,
     FINAL_NORM,
@@ -50,12 +52,7 @@ from twinkle_fn.backends.megatron.bridge_rules import (
     moe_rules,
     rules_for,
 )
-from twinkle_fn.backends.megatron.bridge_to_hf import (
-    LocalStates,
-    export_buckets,
-    join_shards,
-    mcore_to_hf,
-)
+from twinkle_fn.backends.megatron.bridge_to_hf import LocalStates, join_shards, mcore_to_hf
 from twinkle_fn.backends.megatron.bridge_to_mcore import (
     HFState,
     SliceSource,

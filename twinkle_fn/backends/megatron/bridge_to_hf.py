@@ -4,14 +4,14 @@
 pipeline stage and expert-parallel rank (`twinkle_fn.backends.megatron.bridge_layout`), layer by
 layer, and joins each megatron tensor's tensor-parallel shards back into its HF tensors
 (`join_shards`: q/k/v and gate/up split, the vocabulary padding cut;
-`twinkle_fn.backends.megatron.bridge_transforms`). `export_buckets` groups that stream into
-size-bounded lists for saving or for an inference engine. `twinkle_fn.backends.megatron.bridge`
-describes the layout conventions.
+`twinkle_fn.backends.megatron.bridge_transforms`). `twinkle_fn.backends.buckets.buckets` groups
+that stream into size-bounded lists for saving or for an inference engine.
+`twinkle_fn.backends.megatron.bridge` describes the layout conventions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from transformers import PretrainedConfig
@@ -22,7 +22,6 @@ from twinkle_fn.backends.megatron.bridge_layout import (
     _layout,
     _Model,
     _model,
-    _positive,
     _rank,
     _Slot,
     _slots,
@@ -165,31 +164,3 @@ def mcore_to_hf(
         hf_config, tp_size, pp_size, ep_size, etp_size, vocab_multiple, head
     )
     return _export_stream(rules, model, lay, _Ranks(local_states, lay))
-
-
-def export_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of `named` of at most `max_bytes` each (a larger tensor goes alone).
-
-    Lazy: a bucket is yielded as soon as the next tensor would overflow it. Raises
-    ``ValueError`` if `max_bytes` < 1.
-    """
-    _positive(max_bytes=max_bytes)
-    return _buckets(named, max_bytes)
-
-
-def _buckets(
-    named: Iterable[tuple[str, torch.Tensor]], max_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket

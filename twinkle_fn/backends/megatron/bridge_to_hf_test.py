@@ -5,9 +5,10 @@ mesh is `bridge_test`'s."""
 import pytest
 import torch
 
+from twinkle_fn.backends.megatron.bridge import export_buckets
 from twinkle_fn.backends.megatron.bridge_rules import MLP, O_PROJ, QKV
 from twinkle_fn.backends.megatron.bridge_test import _all_ranks
-from twinkle_fn.backends.megatron.bridge_to_hf import export_buckets, join_shards, mcore_to_hf
+from twinkle_fn.backends.megatron.bridge_to_hf import join_shards, mcore_to_hf
 from twinkle_fn.backends.megatron.bridge_to_mcore import hf_to_mcore
 
 
