@@ -22,6 +22,18 @@ _BASE = dict(
     max_position_embeddings=128,
     tie_word_embeddings=False,
 )
+# one dense layer then one MoE layer; 2 groups of 2 experts, one group per token (a group's
+# score is its top-2 sum, which megatron matches when top_k // topk_group == 2)
+_GROUPED_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=1.5,
+)
 _EXTRA: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"sliding_window": None},
@@ -42,22 +54,10 @@ _EXTRA: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1,
     },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16},
-    # one dense layer then one MoE layer; 2 groups of 2 experts, one group per token (a
-    # group's score is its top-2 sum, which megatron matches when top_k // topk_group == 2);
-    # half of each head rotated
-    "glm4_moe": {
-        "head_dim": 8,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "n_group": 2,
-        "topk_group": 1,
-        "routed_scaling_factor": 1.5,
-    },
+    # the grouped router's MoE; half of each head rotated
+    "glm4_moe": {"head_dim": 8, **_GROUPED_MOE},
     # multi-latent attention with a query down projection (q_lora_rank; None gives q_proj);
-    # as many kv heads as heads (HF's MLA expands keys to every head); router as glm4_moe's
+    # as many kv heads as heads (HF's MLA expands keys to every head); the grouped router's MoE
     "deepseek_v3": {
         "num_key_value_heads": 4,
         "q_lora_rank": 16,
@@ -65,14 +65,7 @@ _EXTRA: dict[str, dict[str, Any]] = {
         "qk_nope_head_dim": 8,
         "qk_rope_head_dim": 4,
         "v_head_dim": 8,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "n_group": 2,
-        "topk_group": 1,
-        "routed_scaling_factor": 1.5,
+        **_GROUPED_MOE,
     },
     # a Gated DeltaNet layer, then a full attention layer (every second layer attends fully)
     "qwen3_5_text": {
