@@ -43,6 +43,14 @@ A frozen linear (a LoRA base) runs its forward and input-gradient GEMMs in float
 no weight-gradient GEMM; backward then keeps only the weight (`_FP8Matmul`). Those two GEMMs are
 most of a LoRA step's work; the adapters' rank-r factors are too small for float8 to pay and
 keep the compute dtype.
+
+A frozen weight may also be *stored* in float8 (`store_weight`; the transformers backend's model
+option ``fp8_store_frozen``): e4m3 with one power-of-two scale, exactly what the tensorwise
+recipe makes of it in every forward, so its GEMMs give the same numbers while the weight takes
+one byte an element instead of two and no step quantises it again (`fp8_linear` with the
+stored weight and its scale). Under ``"rowwise"`` such a weight keeps its one scale (a
+tensorwise scale is a rowwise one whose rows agree); activations and gradients stay per row.
+`dequantise` gives its values back, exactly (power-of-two scales), for a checkpoint or an export.
 """
 
 from __future__ import annotations
@@ -220,26 +228,89 @@ class _FP8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def fp8_matmul(x: Tensor, w: Tensor, recipe: str) -> Tensor:
+class _StoredFP8Matmul(torch.autograd.Function):
+    """``x @ (wq * sw).T`` for a frozen weight stored in float8 (`store_weight`): forward
+    quantises only ``x``, backward only the output gradient, and backward keeps nothing but the
+    stored weight. Under ``"tensorwise"`` every GEMM is bit for bit `_FP8Matmul`'s with that
+    weight frozen (its quantisation of the weight is the stored one)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, wq: Tensor, sw: Tensor, recipe: str) -> Tensor:
+        rowwise = recipe == "rowwise"
+        xq, sx = quantise(x, E4M3, rowwise)  # [m, k]
+        ctx.rowwise, ctx.x_dtype = rowwise, x.dtype
+        ctx.save_for_backward(wq, sw)
+        return _gemm(xq, sx, wq, _scale_of_rows(sw, wq.shape[0], rowwise), x.dtype, fast=True)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        wq, sw = ctx.saved_tensors
+        grad = grad.contiguous()  # [m, n]
+        gq, sg = quantise(grad, E4M3 if ctx.rowwise else E5M2, ctx.rowwise)
+        wq_t = wq.t().contiguous()  # [k, n]: the GEMM contracts over output features
+        sw_t = _scale_of_rows(sw, wq_t.shape[0], ctx.rowwise)
+        return _gemm(gq, sg, wq_t, sw_t, ctx.x_dtype), None, None, None
+
+
+def _scale_of_rows(s: Tensor, rows: int, rowwise: bool) -> Tensor:
+    """A tensorwise scale `s` ``[]`` as the GEMM takes it: ``[rows, 1]`` (every row's the same)
+    when its other operand is scaled per row, else as it is."""
+    return s.reshape(1, 1).expand(rows, 1).contiguous() if rowwise else s
+
+
+def store_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """A frozen weight `w` ``[out, in]`` as stored in float8: ``(wq, s)``, `wq` e4m3 ``[out, in]``
+    and `s` ``[]`` the float32 power-of-two scale with ``wq * s ≈ w`` (the tensorwise recipe's
+    quantisation of `w`, bit for bit)."""
+    return quantise(w, E4M3, rowwise=False)
+
+
+def dequantise(wq: Tensor, s: Tensor) -> Tensor:
+    """The float32 values of a weight `store_weight` stored: ``wq * s``, exact (a float8 value
+    times a power of two is a float32 value), so ``store_weight(dequantise(wq, s))`` is
+    ``(wq, s)`` again."""
+    return wq.float() * s
+
+
+def fp8_matmul(x: Tensor, w: Tensor, recipe: str, w_scale: Tensor | None = None) -> Tensor:
     """``x @ w.T`` for `x` ``[..., in]`` and `w` ``[out, in]`` (same floating dtype) with float8
     GEMMs in forward and backward under `recipe` (one of `RECIPES`); returns ``[..., out]`` in
-    `x`'s dtype, gradients in `x`'s and `w`'s. Raises ``ValueError`` for an unknown recipe."""
+    `x`'s dtype, gradients in `x`'s and `w`'s. A `w` stored in float8 (`store_weight`) comes
+    with its scale `w_scale` and gets no gradient.
+
+    Raises ``ValueError`` for an unknown recipe, or a float8 `w` without `w_scale` (or a
+    `w_scale` for another `w`)."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r} is not one of {', '.join(map(repr, RECIPES))}")
-    out = _FP8Matmul.apply(x.reshape(-1, x.shape[-1]).contiguous(), w, recipe)
+    if (w_scale is not None) != (w.dtype == E4M3):
+        raise ValueError(
+            f"fp8_matmul: a weight of dtype {w.dtype} with w_scale={w_scale is not None}; a "
+            "weight stored in float8 (store_weight) needs its scale, any other none"
+        )
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [tokens, in]
+    if w_scale is None:
+        out = _FP8Matmul.apply(x2, w, recipe)
+    else:
+        out = _StoredFP8Matmul.apply(x2, w, w_scale, recipe)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
-def fp8_linear(x: Tensor, w: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
-    """``F.linear(x, w, bias)`` with `fp8_matmul` (see there; the bias is added in the compute
-    dtype). Under autocast the operands are cast to the autocast dtype first, as autocast casts
-    a linear's; `x` ``[..., in]``, `w` ``[out, in]``, `bias` ``[out]`` -> ``[..., out]``."""
+def fp8_linear(
+    x: Tensor, w: Tensor, bias: Tensor | None, recipe: str, w_scale: Tensor | None = None
+) -> Tensor:
+    """``F.linear(x, w, bias)`` with `fp8_matmul` (see there, and for `w_scale`; the bias is
+    added in the compute dtype). Under autocast the operands are cast to the autocast dtype
+    first, as autocast casts a linear's (a weight stored in float8 stays as it is); `x`
+    ``[..., in]``, `w` ``[out, in]``, `bias` ``[out]`` -> ``[..., out]``."""
     kind = x.device.type
     if torch.is_autocast_enabled(kind):
         dtype = torch.get_autocast_dtype(kind)
-        x, w = x.to(dtype), w.to(dtype)
+        x = x.to(dtype)
+        w = w if w_scale is not None else w.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(kind, enabled=False):
-            return fp8_linear(x, w, bias, recipe)
-    out = fp8_matmul(x, w, recipe)
+            return fp8_linear(x, w, bias, recipe, w_scale)
+    out = fp8_matmul(x, w, recipe, w_scale)
     return out if bias is None else out + bias

@@ -17,11 +17,13 @@ from twinkle_fn.backends.fp8 import (
     check_device,
     check_linear,
     check_setting,
+    dequantise,
     fp8_linear,
     fp8_matmul,
     quantise,
     quantise_columns,
     quantise_reference,
+    store_weight,
 )
 from twinkle_fn.data import pack
 from twinkle_fn.distributed import rank
@@ -135,6 +137,73 @@ def test_forward_and_backward_equal_the_quantise_dequantise_reference(recipe):
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_a_stored_weight_dequantises_exactly_and_stores_again_bit_for_bit():
+    _, w, _ = _data()
+    wq, s = store_weight(w)
+    assert wq.dtype == E4M3 and s.shape == () and torch.equal(wq, quantise(w, E4M3, False)[0])
+    dense = dequantise(wq, s)
+    assert dense.dtype == torch.float32
+    assert torch.equal(dense.double(), quantise_reference(w, E4M3, rowwise=False))
+    again, s2 = store_weight(dense)
+    assert torch.equal(again.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s2, s)
+
+
+def test_a_stored_weight_under_tensorwise_gives_the_frozen_weights_numbers_bit_for_bit():
+    """Storing a frozen weight in float8 changes no number of the tensorwise recipe: its
+    forward and input gradient equal `fp8_matmul`'s with the same weight frozen, exactly."""
+    x, w, dy = _data()
+    wq, s = store_weight(w)
+    outs = []
+    for stored in (False, True):
+        xi = x.clone().requires_grad_(True)
+        y = fp8_matmul(xi, wq, "tensorwise", s) if stored else fp8_matmul(xi, w, "tensorwise")
+        y.backward(dy)
+        outs.append((y, xi.grad))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_stored_weight_under_rowwise_equals_the_quantise_dequantise_reference():
+    """Rowwise with a stored weight: activations and gradients per row, the weight's one scale
+    (float64 reference, float32 accumulation: rtol 1e-6)."""
+    x, w, dy = _data()
+    wq, s = store_weight(w)
+    x.requires_grad_(True)
+    y = fp8_matmul(x, wq, "rowwise", s)
+    y.backward(dy)
+    w_ref = dequantise(wq, s).double()
+    x_ref = quantise_reference(x.detach(), E4M3, rowwise=True)
+    dy_ref = quantise_reference(dy, E4M3, rowwise=True)
+    torch.testing.assert_close(y.double(), x_ref @ w_ref.T, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), dy_ref @ w_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_a_stored_weight_is_all_backward_keeps_of_it():
+    """Backward keeps the stored weight itself (no copy) and its scale, and no activation."""
+    x, w, _ = _data()
+    wq, s = store_weight(w)
+    x.requires_grad_(True)
+    for recipe in ("rowwise", "tensorwise"):
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fp8_matmul(x, wq, recipe, s)
+        assert len(saved) == 2 and saved[0] is wq and saved[1] is s, recipe
+
+
+def test_a_float8_weight_needs_its_scale_and_a_scale_its_float8_weight():
+    x, w, _ = _data()
+    wq, s = store_weight(w)
+    with pytest.raises(ValueError, match="needs its scale"):
+        fp8_matmul(x, wq, "tensorwise")
+    with pytest.raises(ValueError, match="needs its scale, any other none"):
+        fp8_matmul(x, w, "tensorwise", s)
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_bf16_fp8_linear_is_within_float8_rounding_of_a_bf16_linear(recipe):
     """bf16 operands: the fp8 linear's output and gradients differ from a bf16 linear's by at
@@ -237,6 +306,37 @@ def test_cuda_gemms_equal_the_quantise_dequantise_reference(recipe):
     }
     for name, (got, (want, scale)) in cases.items():
         assert got is not None and got.dtype == torch.bfloat16, name
+        diff = (got.double() - want).abs()
+        assert (diff <= 2.0**-7 * scale).all(), f"{name}: {(diff / scale).max().item():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU)")
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_cuda_stored_weight_gemms(recipe):
+    """A weight stored in float8 on the GPU: tensorwise, forward and input gradient equal the
+    frozen bf16 weight's bit for bit; rowwise (the weight's one scale spread over its rows, as
+    the GEMM's rowwise scaling takes it), within the bound of the test above of the float64
+    product of the dequantised operands."""
+    check_device(torch.device("cuda"))
+    x, w, dy = (t.bfloat16().cuda() for t in _data(m=200, k=256, n=512))
+    wq, s = store_weight(w)
+    xs = x.clone().requires_grad_(True)
+    y = fp8_matmul(xs, wq, recipe, s)
+    y.backward(dy)
+    if recipe == "tensorwise":
+        xr = x.clone().requires_grad_(True)
+        yr = fp8_matmul(xr, w, recipe)
+        yr.backward(dy)
+        assert torch.equal(y, yr) and torch.equal(xs.grad, xr.grad)
+        return
+    wd = dequantise(wq, s).double()
+    cases = {
+        "y": (y, quantise_reference(x, E4M3, True), wd.T),
+        "dx": (xs.grad, quantise_reference(dy, E4M3, True), wd),
+    }
+    for name, (got, a, b) in cases.items():
+        want, scale = a @ b, a.abs() @ b.abs()
         diff = (got.double() - want).abs()
         assert (diff <= 2.0**-7 * scale).all(), f"{name}: {(diff / scale).max().item():.3g}"
 

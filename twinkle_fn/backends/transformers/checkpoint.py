@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.transformers.compute import bind
+from twinkle_fn.backends.transformers.fp8_linears import dense_state, load_stored
 from twinkle_fn.backends.transformers.fsdp import copy_into_shard, unshard
 from twinkle_fn.backends.transformers.loss_scale import LossScale
 from twinkle_fn.checkpoint import read_weights
@@ -205,14 +206,15 @@ def _full_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
     """Every module tensor as a whole tensor, in HF names (a collective when sharded)."""
     module = state.model.module
     bind(module, state.params, sharded=state.model.placement is not None)
-    return _as_saved(unshard(dict(module.state_dict())))
+    return _as_saved(dense_state(module, unshard(dict(module.state_dict()))))
 
 
 def _as_saved(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`tensors` in the dtypes the HF files hold: bfloat16 / float16 ones (frozen weights stored
     in the compute dtype, see `twinkle_fn.backends.transformers.lora.store_frozen_in`) upcast to
-    float32."""
-    low = (torch.bfloat16, torch.float16)
+    float32, as are the float8 specs of weights stored in float8 (whose values `dense_state`
+    dequantises to float32 before they get here)."""
+    low = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
     return {n: t.float() if t.dtype in low else t for n, t in tensors.items()}
 
 
@@ -222,5 +224,5 @@ def _copy_module_weights(state: TrainState, saved: Mapping[str, torch.Tensor]) -
     bind(module, state.params, sharded=state.model.placement is not None)
     own = dict(module.named_parameters())
     for name, tensor in saved.items():
-        if name in own:
+        if name in own and not load_stored(module, name, tensor):
             copy_into_shard(own[name], tensor)

@@ -25,6 +25,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.buckets import Bucket, buckets, persistent_buffers
 from twinkle_fn.backends.transformers import fsdp
+from twinkle_fn.backends.transformers.fp8_linears import dense_state
 from twinkle_fn.backends.transformers.lora import _ADAPTER_OF_PARAM, _adapter_of_state
 from twinkle_fn.backends.transformers.lora import adapter_names as _adapter_names
 from twinkle_fn.lora import PEFT_PREFIX
@@ -71,8 +72,15 @@ def whole(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _plain(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module`'s named parameters, a weight stored in float8 (``fp8_store_frozen``)
+    dequantised to float32, one at a time."""
     for name, param in module.named_parameters():
+        yield from dense_state(module, {name: param}).items()
+
+
+def _plain(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in _parameters(module):
         yield name, whole(param, dtype)
     yield from _buffers(module, dtype)
 
@@ -100,7 +108,7 @@ def _merged(
     module: torch.nn.Module, adapter: str, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
-    for name, param in module.named_parameters():
+    for name, param in _parameters(module):
         if _ADAPTER_OF_PARAM.search(name):
             continue
         if _BASE not in name:

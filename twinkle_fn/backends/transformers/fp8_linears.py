@@ -14,6 +14,13 @@ layers, so all three see an ``nn.Linear``: FSDP2 gathers the weight as before (t
 sees it whole, in the compute dtype); under tp the weight is a DTensor shard, and `FP8Linear`
 multiplies the local shards and returns the DTensor that ``F.linear`` would (a colwise output
 split over features, a rowwise output partial), which the parallel styles then reduce as usual.
+
+``fp8_store_frozen=True`` (with ``fp8``) stores each converted linear's frozen weight (a LoRA
+base) in float8 (`twinkle_fn.backends.fp8.store_weight`: e4m3 and one power-of-two scale, the
+non-persistent buffer ``fp8_weight_scale``): one byte an element instead of two, and no step
+quantises it again; the tensorwise recipe's numbers are unchanged, bit for bit. Checkpoints and
+exports read it back dequantised (`dense_state`), exactly; a checkpoint loads into it through
+`load_stored`. It needs the whole weight on this rank: one rank, no FSDP2 or tp.
 """
 
 from __future__ import annotations
@@ -21,7 +28,15 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from twinkle_fn.backends.fp8 import check_device, check_linear, check_setting, fp8_linear
+from twinkle_fn.backends.fp8 import (
+    E4M3,
+    check_device,
+    check_linear,
+    check_setting,
+    dequantise,
+    fp8_linear,
+    store_weight,
+)
 from twinkle_fn.backends.transformers.plans import tp_plan
 from twinkle_fn.mesh import Mesh
 from twinkle_fn.models.families import COLWISE, family
@@ -40,7 +55,8 @@ class FP8Linear(torch.nn.Linear):
         w = self.weight
         if isinstance(w, DTensor):
             return _dtensor_linear(x, w, self.bias, self.fp8_recipe)
-        return fp8_linear(x, w, self.bias, self.fp8_recipe)
+        scale = self.fp8_weight_scale if w.dtype == E4M3 else None
+        return fp8_linear(x, w, self.bias, self.fp8_recipe, scale)
 
 
 def _dtensor_linear(
@@ -70,10 +86,16 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
 
     Raises ``ValueError`` for an unknown recipe, a device without float8 GEMMs
     (`twinkle_fn.backends.fp8.check_device`), a converted linear whose dimensions on this rank
-    (after tp) are not multiples of 16 (`check_linear`, naming it).
+    (after tp) are not multiples of 16 (`check_linear`, naming it), ``fp8_store_frozen`` without
+    ``fp8``, not a bool, or on several ranks.
     """
     recipe = check_setting(model.options.get("fp8"))
     if recipe is None:
+        if model.options.get("fp8_store_frozen"):
+            raise ValueError(
+                "option fp8_store_frozen=True stores the weights of float8 linears; set option "
+                "fp8 ('tensorwise' or 'rowwise') too, or drop it"
+            )
         return 0
     check_device(model.device)
     subs = {**tp_plan(model.config, mesh.tp), **dict.fromkeys(family(model.config).tp_whole)}
@@ -93,10 +115,64 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
             split = f" on each of tp={mesh.tp} ranks" if style is not None and mesh.tp > 1 else ""
             check_linear(names[id(linear)], out_f, in_f, split)
             linears.append(linear)
+    store = _store_frozen(model, mesh)
     for linear in linears:
         linear.__class__ = FP8Linear
         linear.fp8_recipe = recipe
+        if store and not linear.weight.requires_grad:
+            wq, scale = store_weight(linear.weight.detach())
+            linear.weight = torch.nn.Parameter(wq, requires_grad=False)
+            linear.register_buffer("fp8_weight_scale", scale, persistent=False)
     return len(linears)
+
+
+def _store_frozen(model: Model, mesh: Mesh) -> bool:
+    """The option ``fp8_store_frozen`` (off by default). Raises ``ValueError`` for a value other
+    than a bool, or for a mesh of several ranks (FSDP2 and tp split the weight; the stored
+    float8 weight is one tensor with one scale)."""
+    value = model.options.get("fp8_store_frozen", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"option fp8_store_frozen={value!r} must be True or False")
+    if value and mesh.world_size > 1:
+        raise ValueError(
+            f"option fp8_store_frozen=True stores frozen weights whole on one rank, but the mesh "
+            f"has {mesh.world_size} ranks; leave it off there (fp8 alone works on any mesh)"
+        )
+    return value
+
+
+def stored_scales(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of `module` stored in float8 (``fp8_store_frozen``), by parameter name: the
+    scale of each."""
+    return {
+        f"{name}.weight" if name else "weight": m.fp8_weight_scale
+        for name, m in module.named_modules()
+        if isinstance(m, FP8Linear) and m.weight.dtype == E4M3
+    }
+
+
+def dense_state(
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`tensors` (parameter names of `module`) with each weight stored in float8 dequantised to
+    float32, exactly (`twinkle_fn.backends.fp8.dequantise`); the rest as they are."""
+    scales = stored_scales(module)
+    return {n: dequantise(t, scales[n]) if n in scales else t for n, t in tensors.items()}
+
+
+def load_stored(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Store `tensor` into `module`'s parameter `name` if that weight is stored in float8
+    (quantised again, with a new scale; a weight `dense_state` gave back stores bit for bit as
+    it was) and return True; else leave it and return False."""
+    owner, _, leaf = name.rpartition(".")
+    linear = module.get_submodule(owner)
+    if leaf != "weight" or not isinstance(linear, FP8Linear) or linear.weight.dtype != E4M3:
+        return False
+    wq, scale = store_weight(tensor.to(linear.weight.device))
+    with torch.no_grad():
+        linear.weight.copy_(wq)
+        linear.fp8_weight_scale.copy_(scale)
+    return True
 
 
 def _submodule(module: torch.nn.Module, sub: str) -> torch.nn.Module | None:
