@@ -17,9 +17,9 @@ lm_head left out):
 - ``twinkle_transformers_compiled_fp8`` / ``twinkle_megatron_compiled_fp8``: the compiled rows
   with ``fp8="tensorwise"``: the frozen base linears' forward and input-gradient GEMMs in
   float8 (GPU only);
-- ``twinkle_transformers_compiled_fp8_stored``: that transformers row with
-  ``fp8_store_frozen=True``: the frozen bases stored in float8 (one byte an element, never
-  quantised again; the same numbers as tensorwise quantising them every step).
+- ``twinkle_transformers_compiled_fp8_stored`` / ``twinkle_megatron_compiled_fp8_stored``: the
+  fp8 rows with ``fp8_store_frozen=True``: the frozen bases stored in float8 (one byte an
+  element, never quantised again; the same numbers as tensorwise quantising them every step).
 
 ``--workload full`` (full fine-tuning, clipping at 1.0):
 
@@ -163,6 +163,7 @@ WORKLOADS = MappingProxyType(
             "twinkle_transformers_compiled_fp8",
             "twinkle_megatron_compiled_fp8",
             "twinkle_transformers_compiled_fp8_stored",
+            "twinkle_megatron_compiled_fp8_stored",
         ),
         "full": (
             "twinkle_transformers_adamw",
@@ -457,6 +458,13 @@ def _twinkle_transformers_compiled_fp8_stored(setup: OneGpuSetup) -> Iterator[St
     yield twinkle_step(setup, "transformers", _adamw("transformers"), options, lora=True)
 
 
+@contextlib.contextmanager
+def _twinkle_megatron_compiled_fp8_stored(setup: OneGpuSetup) -> Iterator[Step]:
+    options = {**_compiled(setup), "fp8": "tensorwise", "fp8_store_frozen": True}
+    with megatron_world(setup.device):
+        yield twinkle_step(setup, "megatron", _adamw("megatron"), options, lora=True)
+
+
 # --- full fine-tuning rows ------------------------------------------------------------------
 
 _NO_MASTERS = {"master_weights": False}
@@ -534,6 +542,7 @@ _ROWS = MappingProxyType(
         "twinkle_transformers_compiled_fp8": _twinkle_transformers_compiled_fp8,
         "twinkle_megatron_compiled_fp8": _twinkle_megatron_compiled_fp8,
         "twinkle_transformers_compiled_fp8_stored": _twinkle_transformers_compiled_fp8_stored,
+        "twinkle_megatron_compiled_fp8_stored": _twinkle_megatron_compiled_fp8_stored,
         "twinkle_transformers_adamw": _full_transformers_adamw,
         "twinkle_transformers_adamw_bf16": _full_transformers_adamw_bf16,
         "twinkle_transformers_adamw_bf16_compiled": _full_transformers_adamw_bf16_compiled,

@@ -30,6 +30,7 @@ from torch import Tensor
 from twinkle_fn.backends.buckets import Bucket, buckets
 from twinkle_fn.backends.megatron.bridge_layout import _layout, _slots
 from twinkle_fn.backends.megatron.bridge_to_hf import _join, join_shards
+from twinkle_fn.backends.megatron.fp8_linears import dense_weight
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear
 from twinkle_fn.backends.megatron.lora_peft import expert_factor_name, expert_factors_to_peft
 from twinkle_fn.backends.megatron.lora_targets import hf_modules, layer_linears
@@ -158,9 +159,9 @@ def _local(placement: MegatronPlacement) -> Callable[[str], Tensor]:
         layer = modules.get(path)
         if not isinstance(layer, LoraParallelLinear):
             raise KeyError(f"megatron tensor {name!r} is not on this rank")
-        base = getattr(layer.base_layer, leaf).detach()
         if leaf != "weight":
-            return base
+            return getattr(layer.base_layer, leaf).detach()
+        base = dense_weight(layer.base_layer)
         update = layer.lora_B.weight.detach().float() @ layer.lora_A.weight.detach().float()
         return base.float() + layer.scaling * update
 

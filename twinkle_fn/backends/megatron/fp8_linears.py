@@ -18,6 +18,13 @@ LoRA step's work, run in float8 (no weight gradient), while the adapters' factor
 for float8 GEMMs to pay, keep megatron's matmul. TransformerEngine's layers
 (``use_te``) have their own float8 recipes (``TransformerConfig.fp8``), not wired here: the
 option refuses them.
+
+``fp8_store_frozen=True`` (with ``fp8``; `store_frozen`) stores each converted linear's frozen
+weight (a LoRA base; on each rank its tp shard) in float8, as on the transformers backend
+(`twinkle_fn.backends.fp8.store_weight`: e4m3 and one power-of-two scale, the non-persistent
+buffer ``fp8_weight_scale``): one byte an element instead of two, never quantised again, the
+tensorwise recipe's numbers bit for bit. A merged export reads it dequantised (`dense_weight`);
+checkpoints of a LoRA model hold only the adapters.
 """
 
 from __future__ import annotations
@@ -34,7 +41,15 @@ from megatron.core.tensor_parallel import (
 )
 from torch import Tensor
 
-from twinkle_fn.backends.fp8 import check_device, check_linear, check_setting, fp8_linear
+from twinkle_fn.backends.fp8 import (
+    E4M3,
+    check_device,
+    check_linear,
+    check_setting,
+    dequantise,
+    fp8_linear,
+    store_weight,
+)
 
 
 def use_fp8_linears(gpt: torch.nn.Module, setting: object) -> int:
@@ -77,6 +92,42 @@ def use_fp8_linears(gpt: torch.nn.Module, setting: object) -> int:
     return converted
 
 
+def store_frozen(gpt: torch.nn.Module, options: dict[str, Any]) -> int:
+    """Apply the option ``fp8_store_frozen`` (see the module docstring) to the ``GPTModel``
+    stage `gpt` after `use_fp8_linears`, and after ``Float16Module`` wraps it (whose cast of
+    every floating tensor would read the float8 bytes as numbers); returns how many weights are
+    stored in float8. Raises ``ValueError`` for a value other than a bool, or True without
+    ``fp8``."""
+    value = options.get("fp8_store_frozen", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"option fp8_store_frozen={value!r} must be True or False")
+    if not value:
+        return 0
+    recipe = check_setting(options.get("fp8"))
+    if recipe is None:
+        raise ValueError(
+            "option fp8_store_frozen=True stores the weights of float8 linears; set option "
+            "fp8 ('tensorwise' or 'rowwise') too, or drop it"
+        )
+    stored = 0
+    for module in gpt.decoder.modules():
+        if "_forward_impl" not in module.__dict__ or module.weight.requires_grad:
+            continue
+        wq, scale = store_weight(module.weight.detach())
+        module.weight = torch.nn.Parameter(wq, requires_grad=False)
+        module.register_buffer("fp8_weight_scale", scale, persistent=False)
+        module._forward_impl = functools.partial(_fp8_forward_impl, recipe, w_scale=scale)
+        stored += 1
+    return stored
+
+
+def dense_weight(linear: torch.nn.Module) -> Tensor:
+    """`linear`'s weight (this rank's shard), dequantised to float32 (exactly) when it is
+    stored in float8 (`store_frozen`)."""
+    w = linear.weight.detach()
+    return dequantise(w, linear.fp8_weight_scale) if w.dtype == E4M3 else w
+
+
 def _converts(name: str, module: torch.nn.Module) -> bool:
     """Whether the decoder-layer submodule `name` takes float8 GEMMs: a column- or row-parallel
     linear (trained, or a frozen LoRA base) that is not a routed expert's nor a LoRA factor."""
@@ -96,16 +147,18 @@ def _fp8_forward_impl(
     allreduce_dgrad: bool,
     sequence_parallel: bool,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    w_scale: Tensor | None = None,
     **_unused: Any,
 ) -> Tensor:
     """Megatron's ``_forward_impl`` (`input` ``[seq, batch, in]``, this rank's sequence chunk
-    under `sequence_parallel`; `weight` ``[out, in]`` this rank's shard) in float8: the input
-    gathered and its gradient reduced as megatron's fused linear does, then `fp8_linear` (with
-    no weight gradient for a frozen `weight`)."""
+    under `sequence_parallel`; `weight` ``[out, in]`` this rank's shard, float8 with its scale
+    `w_scale` when stored so) in float8: the input gathered and its gradient reduced as
+    megatron's fused linear does, then `fp8_linear` (with no weight gradient for a frozen
+    `weight`)."""
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(
             input, tensor_parallel_output_grad=True, group=tp_group
         )
     elif allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-    return fp8_linear(input, weight, bias, recipe)
+    return fp8_linear(input, weight, bias, recipe, w_scale)

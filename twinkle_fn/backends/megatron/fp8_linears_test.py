@@ -6,10 +6,12 @@ most (rowwise 0.40%) over 6 AdamW steps on one batch while the loss falls 4.56 -
 import functools
 
 import pytest
+import torch
 from peft import LoraConfig
 
 import twinkle_fn as tf
 from twinkle_fn.backends.megatron import parallel
+from twinkle_fn.backends.fp8 import E4M3
 from twinkle_fn.backends.megatron.backend import megatron_optimizer
 from twinkle_fn.data import pack
 from twinkle_fn.testing import assert_within_float8_rounding, random_features, tiny_config
@@ -17,9 +19,12 @@ from twinkle_fn.testing import assert_within_float8_rounding, random_features, t
 STEPS = 6
 
 
-def _run(fp8, config=None, lora=None):
-    """(losses, the fp8 linears' names) of `STEPS` steps of the tiny Qwen2 on one batch."""
+def _run(fp8, config=None, lora=None, store=None, out=None):
+    """(losses, the fp8 linears' names) of `STEPS` steps of the tiny Qwen2 on one batch; `out`
+    (a dict) gets the stored weights' dtypes and the merged float32 export."""
     options = {"fp8": fp8} if lora is None else {"fp8": fp8, "lora": lora}
+    if store is not None:
+        options["fp8_store_frozen"] = store
     model = tf.models.from_hf_config(
         config or tiny_config("qwen2"), seed=0, backend="megatron", options=options
     )
@@ -37,6 +42,12 @@ def _run(fp8, config=None, lora=None):
             grads, _ = tf.fwd_bwd(state, batch)
             state, info = tf.step(state, grads)
             losses.append(float(info["loss"]))
+        if out is not None:
+            out["dtypes"] = {
+                n: p.dtype for n, p in gpt.named_parameters() if n.endswith("base_layer.weight")
+            }
+            merged = tf.export_weights(state, dtype=torch.float32, lora="merged")
+            out["merged"] = {n: t.clone() for bucket in merged for n, t in bucket}
         return losses, names
     finally:
         parallel.destroy()
@@ -98,3 +109,32 @@ def test_refusals(megatron_world):
         _run("rowwise", config=odd)
     with pytest.raises(ValueError, match=r"option fp8='hybrid' is not a recipe"):
         _run("hybrid")
+
+
+def test_lora_bases_stored_in_float8_train_bit_for_bit_and_export_dequantised(megatron_world):
+    """``fp8_store_frozen``: the bases stored in float8 train the adapters to the same floats as
+    tensorwise quantising them every step; a merged export adds the update to the dequantised
+    base: equal to the plain run's export except on the adapted weights, which differ from it
+    by no more than e4m3's rounding of the base (2^-4 relative)."""
+    plain, stored = {}, {}
+    losses, _ = _run("tensorwise", lora=LORA, out=plain)
+    stored_losses, names = _run("tensorwise", lora=LORA, store=True, out=stored)
+    assert stored_losses == losses
+    assert names == _decoder_linears(".base_layer")
+    assert set(stored["dtypes"].values()) == {E4M3} and len(stored["dtypes"]) == 8
+    assert stored["merged"].keys() == plain["merged"].keys()
+    adapted = 0
+    for name, got in stored["merged"].items():
+        want = plain["merged"][name]
+        if torch.equal(got, want):
+            continue
+        adapted += 1
+        assert (got - want).abs().max() <= 2.0**-4 * want.abs().max(), name
+    assert adapted == 14  # q, k, v, o, gate, up, down of each layer
+
+
+def test_fp8_store_frozen_refusals(megatron_world):
+    with pytest.raises(ValueError, match=r"option fp8_store_frozen='yes' must be True or False"):
+        _run("tensorwise", lora=LORA, store="yes")
+    with pytest.raises(ValueError, match=r"set option fp8 .* too"):
+        _run(None, lora=LORA, store=True)

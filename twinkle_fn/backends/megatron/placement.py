@@ -27,7 +27,7 @@ from torch import Tensor
 
 from twinkle_fn.backends.megatron import grad_sync, parallel, param_sync
 from twinkle_fn.backends.megatron.bridge_rules import value_bias
-from twinkle_fn.backends.megatron.fp8_linears import use_fp8_linears
+from twinkle_fn.backends.megatron.fp8_linears import store_frozen, use_fp8_linears
 from twinkle_fn.backends.megatron.hf_weights import load_hf_weights
 from twinkle_fn.backends.megatron.layer_compile import compile_decoder_layers
 from twinkle_fn.backends.megatron.lora import LoraPlan, add_adapters
@@ -138,6 +138,7 @@ def place(model: Model, mesh: Mesh) -> MegatronPlacement:
     use_fp8_linears(gpt, model.options.get("fp8"))
     compile_decoder_layers(gpt.decoder.layers, model.options.get("compile_layers", False))
     wrapped = gpt if dtype == torch.float32 else Float16Module(gpt.config, gpt)
+    store_frozen(gpt, model.options)
     chunk = _ddp(gpt, wrapped, opts)
     if opts.overlap_param_gather:
         param_sync.enable(chunk)

@@ -29,6 +29,7 @@ OWN_OPTIONS = (
     "grad_bucket_size",
     "compile_layers",
     "fp8",
+    "fp8_store_frozen",
     "router_loss",
 )
 # megatron-core's own router losses: twinkle computes them (`twinkle_fn.moe`, the option
