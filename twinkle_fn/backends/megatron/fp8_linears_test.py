@@ -10,8 +10,8 @@ import torch
 from peft import LoraConfig
 
 import twinkle_fn as tf
-from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.fp8 import E4M3
+from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.backends.megatron.backend import megatron_optimizer
 from twinkle_fn.data import pack
 from twinkle_fn.testing import assert_within_float8_rounding, random_features, tiny_config
