@@ -42,7 +42,8 @@ one bucket without), ``compile_layers`` (``True`` or a dict of ``torch.compile``
 and ``memory_budget``: compile each decoder layer of this stage, as on the transformers
 backend, see `twinkle_fn.backends.compile_layers`), ``fp8`` (``"rowwise"`` or ``"tensorwise"``:
 the decoder's trained linears multiply in float8, see `twinkle_fn.backends.megatron.fp8_linears`;
-megatron's own ``TransformerConfig.fp8`` is TransformerEngine's and not offered) and any
+megatron's own ``TransformerConfig.fp8`` is TransformerEngine's and not offered),
+``fp8_store_frozen`` (with ``fp8``: the frozen LoRA bases stored in float8) and any
 ``TransformerConfig`` field (e.g.
 ``recompute_granularity``) but those the mesh, the precision and the loss decide (parallel
 sizes, sequence parallelism, ``bf16`` / ``fp16``, per-token loss). A model built with

@@ -76,7 +76,8 @@ class TransformersBackend:
         A module on transformers' SDPA attention switches to `attention.NAME`, which runs
         packed rows on a varlen kernel. ``Model.options["fp8"]`` (``"rowwise"`` or
         ``"tensorwise"``) runs the decoder's trained linears on float8 GEMMs
-        (`fp8_linears.use_fp8_linears`, before the tp plan, compilation and FSDP2).
+        (`fp8_linears.use_fp8_linears`, before the tp plan, compilation and FSDP2);
+        ``Model.options["fp8_store_frozen"]`` stores their frozen weights in float8 too.
         """
         if model.placement is not None:
             return model
