@@ -125,3 +125,10 @@ def test_fp8_key_reaches_the_model_option():
     assert train._model_and_tokenizer(_run_config([]))[0].options == {}
     with pytest.raises(ValueError, match=r"fp8: 'e4m3' is not one of rowwise, tensorwise"):
         cfg.build({"fp8": "e4m3"})
+    stored = _run_config(["--set", "fp8=tensorwise", "--set", "fp8_store_frozen=true"])
+    assert train._model_and_tokenizer(stored)[0].options == {
+        "fp8": "tensorwise",
+        "fp8_store_frozen": True,
+    }
+    with pytest.raises(ValueError, match="fp8_store_frozen: true stores .* set fp8 too"):
+        cfg.build({"fp8_store_frozen": True})

@@ -106,6 +106,8 @@ def _model_and_tokenizer(config: cfg.RunConfig) -> tuple[tf.models.Model, Any]:
     options = dict(config.megatron.override_transformer_config) if config.megatron else {}
     if config.fp8 is not None:
         options["fp8"] = config.fp8
+    if config.fp8_store_frozen:
+        options["fp8_store_frozen"] = True
     kwargs = dict(backend=config.backend, precision=config.precision, options=options or None)
     if config.model.path is None:
         tokenizer = char_tokenizer()

@@ -114,11 +114,13 @@ class MegatronConfig:
 class RunConfig:
     """Everything one `twinkle train` run needs. `fp8`: None, or one of `FP8_RECIPES`: the
     decoder's linears multiply in float8 (the model option ``fp8``; a CUDA GPU of compute
-    capability >= 8.9)."""
+    capability >= 8.9). `fp8_store_frozen` (with `fp8`): their frozen weights (LoRA bases) are
+    stored in float8 too (the model option of that name)."""
 
     backend: str = "transformers"
     precision: str = "fp32"
     fp8: str | None = None
+    fp8_store_frozen: bool = False
     seed: int = 0
     mesh: str | None = None
     resume: str | None = None
@@ -189,6 +191,11 @@ def build(raw: dict[str, Any], cls: type[RunConfig] = RunConfig) -> RunConfig:
     if config.fp8 is not None and config.fp8 not in FP8_RECIPES:
         raise ValueError(
             f"fp8: {config.fp8!r} is not one of {', '.join(FP8_RECIPES)}; or null (off)"
+        )
+    if config.fp8_store_frozen and config.fp8 is None:
+        raise ValueError(
+            "fp8_store_frozen: true stores the weights of float8 linears; set fp8 too "
+            f"({', '.join(FP8_RECIPES)}), or drop it"
         )
     if config.megatron is not None and config.backend != "megatron":
         keys = ", ".join(sorted(raw.get("megatron") or {})) or "(empty)"
