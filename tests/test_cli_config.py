@@ -130,5 +130,5 @@ def test_fp8_key_reaches_the_model_option():
         "fp8": "tensorwise",
         "fp8_store_frozen": True,
     }
-    with pytest.raises(ValueError, match="fp8_store_frozen: true stores .* set fp8 too"):
+    with pytest.raises(ValueError, match=r"fp8_store_frozen: true stores .* set fp8 too"):
         cfg.build({"fp8_store_frozen": True})
