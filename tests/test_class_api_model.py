@@ -526,3 +526,5 @@ def test_fp8_is_the_core_model_option():
         "fp8": "rowwise"
     }
     assert TransformersModel(config=tiny_config())._model.options == {}
+    stored = TransformersModel(config=tiny_config(), fp8="tensorwise", fp8_store_frozen=True)
+    assert stored._model.options == {"fp8": "tensorwise", "fp8_store_frozen": True}

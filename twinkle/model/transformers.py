@@ -65,7 +65,9 @@ class TransformersModel(TrainableModel):
     splits an MoE model's experts over the ep ranks, ``enabled=False`` with ``ep_size > 1`` is
     refused; EP changes the experts only, so the router's logits are transformers' either way).
     `fp8`: ``"rowwise"`` or ``"tensorwise"`` runs the decoder's linears on float8 GEMMs (the
-    core's model option ``fp8``; ``mixed_precision`` stays the compute dtype). Extra keyword arguments:
+    core's model option ``fp8``; ``mixed_precision`` stays the compute dtype);
+    `fp8_store_frozen` (with `fp8`, one rank) stores their frozen weights, a LoRA base, in float8
+    too (the core's option of that name). Extra keyword arguments:
     ``tokenizer_id``, ``seed`` (random init and dropout; default the `initialize` seed),
     ``dtype``/``torch_dtype`` (parameter dtype, e.g. float64 for exact tests), and, with
     `config`, fields of the config to override. Raises ``ValueError`` for what the core does
@@ -87,6 +89,7 @@ class TransformersModel(TrainableModel):
         fsdp_config: Mapping[str, Any] | None = None,
         grad_scaler_config: Mapping[str, Any] | None = None,
         fp8: str | None = None,
+        fp8_store_frozen: bool = False,
         **kwargs: Any,
     ) -> None:
         fsdp_config = _build.check_options(
@@ -102,7 +105,7 @@ class TransformersModel(TrainableModel):
             mixed_precision,
             fsdp_config,
             self._seed,
-            options={"fp8": fp8} if fp8 is not None else None,
+            options=_fp8_options(fp8, fp8_store_frozen),
             head=self._HEAD,
         )
 
@@ -332,3 +335,12 @@ def _check_task(task: str) -> None:
         f"forward_backward(task={task!r}): {why}; pass task='causal_lm' (the loss set by "
         "set_loss on the next-token labels)"
     )
+
+
+def _fp8_options(fp8: str | None, store_frozen: bool) -> dict[str, Any] | None:
+    """The core model options `TransformersModel`'s `fp8` and `fp8_store_frozen` set (None for
+    none; the backend checks their values when it builds the first state)."""
+    options: dict[str, Any] = {} if fp8 is None else {"fp8": fp8}
+    if store_frozen:
+        options["fp8_store_frozen"] = store_frozen
+    return options or None
