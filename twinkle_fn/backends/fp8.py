@@ -55,6 +55,8 @@ tensorwise scale is a rowwise one whose rows agree); activations and gradients s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,21 @@ def check_setting(value: object) -> str | None:
             "(float8 linears through torch._scaled_mm), or None for the compute dtype"
         )
     return str(value)
+
+
+def check_store_setting(options: Mapping[str, object]) -> bool:
+    """The model option ``fp8_store_frozen`` of `options` (default False). Raises
+    ``ValueError`` for a value other than a bool, or for True without a recipe in ``fp8``,
+    naming the fix."""
+    value = options.get("fp8_store_frozen", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"option fp8_store_frozen={value!r} must be True or False")
+    if value and check_setting(options.get("fp8")) is None:
+        raise ValueError(
+            "option fp8_store_frozen=True stores the weights of float8 linears; set option "
+            "fp8 ('tensorwise' or 'rowwise') too, or drop it"
+        )
+    return value
 
 
 def check_device(device: torch.device) -> None:

@@ -17,6 +17,7 @@ from twinkle_fn.backends.fp8 import (
     check_device,
     check_linear,
     check_setting,
+    check_store_setting,
     dequantise,
     fp8_linear,
     fp8_matmul,
@@ -135,6 +136,15 @@ def test_forward_and_backward_equal_the_quantise_dequantise_reference(recipe):
     for name, (got, want) in expected.items():
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_check_store_setting():
+    assert check_store_setting({}) is False
+    assert check_store_setting({"fp8": "rowwise", "fp8_store_frozen": True}) is True
+    with pytest.raises(ValueError, match="option fp8_store_frozen=1 must be True or False"):
+        check_store_setting({"fp8": "rowwise", "fp8_store_frozen": 1})
+    with pytest.raises(ValueError, match=r"set option fp8 \('tensorwise' or 'rowwise'\) too"):
+        check_store_setting({"fp8_store_frozen": True})
 
 
 def test_a_stored_weight_dequantises_exactly_and_stores_again_bit_for_bit():

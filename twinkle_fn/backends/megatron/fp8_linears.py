@@ -46,6 +46,7 @@ from twinkle_fn.backends.fp8 import (
     check_device,
     check_linear,
     check_setting,
+    check_store_setting,
     dequantise,
     fp8_linear,
     store_weight,
@@ -98,17 +99,9 @@ def store_frozen(gpt: torch.nn.Module, options: dict[str, Any]) -> int:
     every floating tensor would read the float8 bytes as numbers); returns how many weights are
     stored in float8. Raises ``ValueError`` for a value other than a bool, or True without
     ``fp8``."""
-    value = options.get("fp8_store_frozen", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"option fp8_store_frozen={value!r} must be True or False")
-    if not value:
+    if not check_store_setting(options):
         return 0
     recipe = check_setting(options.get("fp8"))
-    if recipe is None:
-        raise ValueError(
-            "option fp8_store_frozen=True stores the weights of float8 linears; set option "
-            "fp8 ('tensorwise' or 'rowwise') too, or drop it"
-        )
     stored = 0
     for module in gpt.decoder.modules():
         if "_forward_impl" not in module.__dict__ or module.weight.requires_grad:

@@ -33,6 +33,7 @@ from twinkle_fn.backends.fp8 import (
     check_device,
     check_linear,
     check_setting,
+    check_store_setting,
     dequantise,
     fp8_linear,
     store_weight,
@@ -90,12 +91,8 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
     ``fp8``, not a bool, or on several ranks.
     """
     recipe = check_setting(model.options.get("fp8"))
+    store = _store_frozen(model, mesh)
     if recipe is None:
-        if model.options.get("fp8_store_frozen"):
-            raise ValueError(
-                "option fp8_store_frozen=True stores the weights of float8 linears; set option "
-                "fp8 ('tensorwise' or 'rowwise') too, or drop it"
-            )
         return 0
     check_device(model.device)
     subs = {**tp_plan(model.config, mesh.tp), **dict.fromkeys(family(model.config).tp_whole)}
@@ -115,7 +112,6 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
             split = f" on each of tp={mesh.tp} ranks" if style is not None and mesh.tp > 1 else ""
             check_linear(names[id(linear)], out_f, in_f, split)
             linears.append(linear)
-    store = _store_frozen(model, mesh)
     for linear in linears:
         linear.__class__ = FP8Linear
         linear.fp8_recipe = recipe
@@ -127,12 +123,10 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
 
 
 def _store_frozen(model: Model, mesh: Mesh) -> bool:
-    """The option ``fp8_store_frozen`` (off by default). Raises ``ValueError`` for a value other
-    than a bool, or for a mesh of several ranks (FSDP2 and tp split the weight; the stored
-    float8 weight is one tensor with one scale)."""
-    value = model.options.get("fp8_store_frozen", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"option fp8_store_frozen={value!r} must be True or False")
+    """The option ``fp8_store_frozen`` (off by default). Raises ``ValueError`` as
+    `twinkle_fn.backends.fp8.check_store_setting` does, and for a mesh of several ranks (FSDP2
+    and tp split the weight; the stored float8 weight is one tensor with one scale)."""
+    value = check_store_setting(model.options)
     if value and mesh.world_size > 1:
         raise ValueError(
             f"option fp8_store_frozen=True stores frozen weights whole on one rank, but the mesh "

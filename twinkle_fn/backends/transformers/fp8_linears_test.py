@@ -165,7 +165,7 @@ def test_fp8_store_frozen_refusals():
     model = SimpleNamespace(options={"fp8_store_frozen": "yes"})
     with pytest.raises(ValueError, match=r"option fp8_store_frozen='yes' must be True or False"):
         _store_frozen(model, SimpleNamespace(world_size=1))
-    model = SimpleNamespace(options={"fp8_store_frozen": True})
+    model = SimpleNamespace(options={"fp8_store_frozen": True, "fp8": "tensorwise"})
     with pytest.raises(ValueError, match="the mesh has 2 ranks; leave it off there"):
         _store_frozen(model, SimpleNamespace(world_size=2))
     with pytest.raises(ValueError, match=r"set option fp8 .* too"):
