@@ -44,8 +44,8 @@ no weight-gradient GEMM; backward then keeps only the weight (`_FP8Matmul`). Tho
 most of a LoRA step's work; the adapters' rank-r factors are too small for float8 to pay and
 keep the compute dtype.
 
-A frozen weight may also be *stored* in float8 (`store_weight`; the transformers backend's model
-option ``fp8_store_frozen``): e4m3 with one power-of-two scale, exactly what the tensorwise
+A frozen weight may also be *stored* in float8 (`store_weight`; the model option
+``fp8_store_frozen``, `check_store_setting`, on both backends): e4m3 with one power-of-two scale, exactly what the tensorwise
 recipe makes of it in every forward, so its GEMMs give the same numbers while the weight takes
 one byte an element instead of two and no step quantises it again (`fp8_linear` with the
 stored weight and its scale). Under ``"rowwise"`` such a weight keeps its one scale (a
