@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.buckets import Bucket, buckets, persistent_buffers
+from twinkle_fn.backends.fp8 import dequantise
 from twinkle_fn.backends.transformers import fsdp
-from twinkle_fn.backends.transformers.fp8_linears import dense_state
+from twinkle_fn.backends.transformers.fp8_linears import stored_scales
 from twinkle_fn.backends.transformers.lora import _ADAPTER_OF_PARAM, _adapter_of_state
 from twinkle_fn.backends.transformers.lora import adapter_names as _adapter_names
 from twinkle_fn.lora import PEFT_PREFIX
@@ -75,8 +76,9 @@ def whole(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """`module`'s named parameters, a weight stored in float8 (``fp8_store_frozen``)
     dequantised to float32, one at a time."""
+    scales = stored_scales(module)
     for name, param in module.named_parameters():
-        yield from dense_state(module, {name: param}).items()
+        yield name, dequantise(param.detach(), scales[name]) if name in scales else param
 
 
 def _plain(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
