@@ -138,3 +138,36 @@ def test_fp8_store_frozen_refusals(megatron_world):
         _run("tensorwise", lora=LORA, store="yes")
     with pytest.raises(ValueError, match=r"set option fp8 .* too"):
         _run(None, lora=LORA, store=True)
+
+
+def _stored_lora_loss(directory, save):
+    """The loss of one forward of a stored-base LoRA state after `STEPS` steps saved to
+    `directory` (`save`), or right after loading it from there."""
+    options = {"fp8": "tensorwise", "lora": LORA, "fp8_store_frozen": True}
+    model = tf.models.from_hf_config(
+        tiny_config("qwen2"), seed=0, backend="megatron", options=options
+    )
+    batch = pack(random_features(8, seed=0))
+    try:
+        state = tf.init(model, megatron_optimizer(1e-2))
+        if save:
+            for _ in range(STEPS):
+                state, _ = tf.step(state, tf.fwd_bwd(state, batch)[0])
+            tf.checkpoint.save(state, directory)
+        else:
+            state = tf.checkpoint.load(state, directory)
+        gpt = state.model.placement.module
+        assert all(
+            p.dtype == E4M3 for n, p in gpt.named_parameters() if n.endswith("base_layer.weight")
+        )
+        aux = tf.fwd_bwd(state, batch)[1]
+        return float(aux["loss_sum"] / aux["num_tokens"])
+    finally:
+        parallel.destroy()
+
+
+def test_a_stored_base_lora_checkpoint_resumes_to_the_same_loss(megatron_world, tmp_path):
+    """A LoRA checkpoint holds the adapters; loaded into a fresh state with stored bases, the
+    next forward's loss is the saving run's, exactly."""
+    saved = _stored_lora_loss(tmp_path / "ckpt", save=True)
+    assert _stored_lora_loss(tmp_path / "ckpt", save=False) == saved
