@@ -66,7 +66,7 @@ class TransformersModel(TrainableModel):
     refused; EP changes the experts only, so the router's logits are transformers' either way).
     `fp8`: ``"rowwise"`` or ``"tensorwise"`` runs the decoder's linears on float8 GEMMs (the
     core's model option ``fp8``; ``mixed_precision`` stays the compute dtype);
-    `fp8_store_frozen` (with `fp8`, one rank) stores their frozen weights, a LoRA base, in float8
+    `fp8_store_frozen` (with `fp8`; not with tp) stores their frozen weights, a LoRA base, in float8
     too (the core's option of that name). Extra keyword arguments:
     ``tokenizer_id``, ``seed`` (random init and dropout; default the `initialize` seed),
     ``dtype``/``torch_dtype`` (parameter dtype, e.g. float64 for exact tests), and, with

@@ -361,22 +361,27 @@ DIST_MESHES = {
     "megatron tp2": ("megatron", {"tp": 2}),
     "megatron tp2+sp": ("megatron", {"tp": 2, "sequence_parallel": True}),
     "transformers tp2 lora": ("transformers", {"tp": 2}),
+    "transformers fsdp2 lora stored": ("transformers", {"fsdp": 2}),
+    "megatron tp2 lora stored": ("megatron", {"tp": 2}),
 }
-# frozen tp-split bases under float8: against one float32 LoRA process
+# frozen tp-split bases under float8 (and stored in float8: fsdp2 keeps them whole on each rank,
+# megatron stores each rank's tp shard): against one float32 LoRA process
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def _train(backend, sizes, fp8, lora=None):
+def _train(backend, sizes, fp8, lora=None, store=False):
     """Losses of `STEPS` AdamW steps (lr 1e-2) of a tiny Qwen2 in float32 on one batch (with
-    `lora`, of its adapters), each data rank its slice, and how many linears multiply in float8
-    on this rank."""
+    `lora`, of its adapters; `store`: ``fp8_store_frozen``), each data rank its slice, how many
+    linears multiply in float8 on this rank, and how many of its parameters are plain (not
+    sharded) float8 tensors."""
     from twinkle_fn.backends.megatron import parallel
     from twinkle_fn.backends.megatron.backend import megatron_optimizer
 
     mesh = tf.Mesh(**sizes)
     # 4 key/value heads: k/v stay multiples of 16 features on each of 2 tp ranks
     config = tiny_config("qwen2", num_key_value_heads=4)
-    model = tf.models.from_hf_config(config, seed=0, backend=backend, options={"fp8": fp8})
+    options = {"fp8": fp8, "fp8_store_frozen": store}
+    model = tf.models.from_hf_config(config, seed=0, backend=backend, options=options)
     if lora is not None:
         model = tf.lora.add_lora(model, lora)
     tx = megatron_optimizer(1e-2) if backend == "megatron" else tf.optim.adamw(1e-2)
@@ -393,14 +398,22 @@ def _train(backend, sizes, fp8, lora=None):
         grads, _ = tf.fwd_bwd(state, mine)
         state, info = tf.step(state, grads)
         losses.append(float(info["loss"]))
+    module = state.model.placement.module if backend == "megatron" else model.module
+    stored = sum(type(p) is torch.nn.Parameter and p.dtype == E4M3 for p in module.parameters())
     if backend == "megatron":
         parallel.destroy()
-    return losses, converted
+    return losses, converted, stored
 
 
 def _two_ranks():
     return {
-        name: _train(backend, sizes, "rowwise", LORA if name.endswith("lora") else None)
+        name: _train(
+            backend,
+            sizes,
+            "rowwise",
+            LORA if "lora" in name else None,
+            store=name.endswith("stored"),
+        )
         for name, (backend, sizes) in DIST_MESHES.items()
     }
 
@@ -417,9 +430,11 @@ def test_fp8_trains_on_fsdp2_and_tp_within_float8_rounding_of_one_float32_proces
     """Each mesh's fp8 run against the one-process float32 run, with the single-process fp8
     tests' bound (1% relative per step; their runs measured <= 0.42%): a reduction that were
     missing or doubled (a partial sum left unreduced, a bias added on every tp rank) moves the
-    loss by far more. Every rank converts its decoder linears (a LoRA model's frozen bases)."""
+    loss by far more. Every rank converts its decoder linears (a LoRA model's frozen bases)
+    and, with ``fp8_store_frozen``, keeps each of their weights as a plain float8 tensor."""
     references, ranks = two_ranks
-    reference = references["lora" if name.endswith("lora") else "full"]
-    for losses, converted in (r[name] for r in ranks):
+    reference = references["lora" if "lora" in name else "full"]
+    for losses, converted, stored in (r[name] for r in ranks):
         assert converted == (14 if name.startswith("transformers") else 8)
+        assert stored == (converted if name.endswith("stored") else 0)
         assert_within_float8_rounding(reference, losses)

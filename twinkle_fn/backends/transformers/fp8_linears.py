@@ -20,7 +20,10 @@ base) in float8 (`twinkle_fn.backends.fp8.store_weight`: e4m3 and one power-of-t
 non-persistent buffer ``fp8_weight_scale``): one byte an element instead of two, and no step
 quantises it again; the tensorwise recipe's numbers are unchanged, bit for bit. Checkpoints and
 exports read it back dequantised (`dense_state`), exactly; a checkpoint loads into it through
-`load_stored`. It needs the whole weight on this rank: one rank, no FSDP2 or tp.
+`load_stored`. Each rank keeps such a weight whole (FSDP2 leaves float8 parameters unsharded,
+`twinkle_fn.backends.transformers.fsdp.parallelize`: at one byte an element, a replica costs
+what a bf16 shard over two ranks does, and the forward gathers nothing), so tp, which splits
+it, refuses the option.
 """
 
 from __future__ import annotations
@@ -124,13 +127,13 @@ def use_fp8_linears(model: Model, mesh: Mesh) -> int:
 
 def _store_frozen(model: Model, mesh: Mesh) -> bool:
     """The option ``fp8_store_frozen`` (off by default). Raises ``ValueError`` as
-    `twinkle_fn.backends.fp8.check_store_setting` does, and for a mesh of several ranks (FSDP2
-    and tp split the weight; the stored float8 weight is one tensor with one scale)."""
+    `twinkle_fn.backends.fp8.check_store_setting` does, and under tensor parallelism (which
+    would split a weight that is one float8 tensor with one scale)."""
     value = check_store_setting(model.options)
-    if value and mesh.world_size > 1:
+    if value and mesh.tp > 1:
         raise ValueError(
-            f"option fp8_store_frozen=True stores frozen weights whole on one rank, but the mesh "
-            f"has {mesh.world_size} ranks; leave it off there (fp8 alone works on any mesh)"
+            f"option fp8_store_frozen=True keeps each stored weight whole on every rank, but "
+            f"tp={mesh.tp} splits the linears; leave it off with tp (fp8 alone works there)"
         )
     return value
 

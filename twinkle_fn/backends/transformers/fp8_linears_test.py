@@ -164,9 +164,10 @@ def test_a_checkpoint_of_stored_bases_holds_them_dequantised_and_loads_them_bit_
 def test_fp8_store_frozen_refusals():
     model = SimpleNamespace(options={"fp8_store_frozen": "yes"})
     with pytest.raises(ValueError, match=r"option fp8_store_frozen='yes' must be True or False"):
-        _store_frozen(model, SimpleNamespace(world_size=1))
+        _store_frozen(model, SimpleNamespace(tp=1))
     model = SimpleNamespace(options={"fp8_store_frozen": True, "fp8": "tensorwise"})
-    with pytest.raises(ValueError, match="the mesh has 2 ranks; leave it off there"):
-        _store_frozen(model, SimpleNamespace(world_size=2))
+    with pytest.raises(ValueError, match="tp=2 splits the linears; leave it off with tp"):
+        _store_frozen(model, SimpleNamespace(tp=2))
+    assert _store_frozen(model, SimpleNamespace(tp=1)) is True
     with pytest.raises(ValueError, match=r"set option fp8 .* too"):
         _losses(None, store=True, steps=0)

@@ -132,6 +132,10 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
     if mesh.data_world_size > 1:
         data_mesh = _data_mesh(dm, mesh)
         mp = _mixed_precision(model.compute_dtype)
+        # Frozen weights stored in float8 (option fp8_store_frozen) stay whole on each rank:
+        # FSDP2 would cast them to the compute dtype for its all-gather, reading the bytes as
+        # numbers without their scale.
+        kept = {p for p in module.parameters() if p.dtype == torch.float8_e4m3fn}
         for m in experts:
             # Innermost first, so the layer's own FSDP2 group leaves the expert tensors alone:
             # they are sharded and reduced over the ranks holding the same experts only.
@@ -141,8 +145,14 @@ def parallelize(model: Model, mesh: Mesh) -> Model:
             # keeps every layer whole until its backward (ZeRO-2).
             last = i == len(layers) - 1
             reshard = mesh.fsdp > 1 and not last
-            fully_shard(layer, mesh=data_mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(module, mesh=data_mesh, mp_policy=mp)
+            fully_shard(
+                layer,
+                mesh=data_mesh,
+                mp_policy=mp,
+                reshard_after_forward=reshard,
+                ignored_params=kept,
+            )
+        fully_shard(module, mesh=data_mesh, mp_policy=mp, ignored_params=kept)
         _prefetch(module, list(layers))
         for m in module.modules():
             if isinstance(m, FSDPModule):
