@@ -372,8 +372,8 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 def _train(backend, sizes, fp8, lora=None, store=False):
     """Losses of `STEPS` AdamW steps (lr 1e-2) of a tiny Qwen2 in float32 on one batch (with
     `lora`, of its adapters; `store`: ``fp8_store_frozen``), each data rank its slice, how many
-    linears multiply in float8 on this rank, and how many of its parameters are plain (not
-    sharded) float8 tensors."""
+    linears multiply in float8 on this rank, how many of its parameters are plain (not sharded)
+    float8 tensors, and (transformers with `store`) the merged float32 export before training."""
     from twinkle_fn.backends.megatron import parallel
     from twinkle_fn.backends.megatron.backend import megatron_optimizer
 
@@ -391,6 +391,10 @@ def _train(backend, sizes, fp8, lora=None, store=False):
         converted = sum("_forward_impl" in m.__dict__ for m in gpt.modules())
     else:
         converted = sum(type(m).__name__.endswith("FP8Linear") for m in model.module.modules())
+    merged = None
+    if store and backend == "transformers":
+        out = tf.export_weights(state, dtype=torch.float32, lora="merged")
+        merged = {n: t.clone() for bucket in out for n, t in bucket}
     feats = random_features(8, seed=0)
     mine = pack(feats[mesh.get_slice(len(feats), rank())] if mesh.data_world_size > 1 else feats)
     losses = []
@@ -402,7 +406,7 @@ def _train(backend, sizes, fp8, lora=None, store=False):
     stored = sum(type(p) is torch.nn.Parameter and p.dtype == E4M3 for p in module.parameters())
     if backend == "megatron":
         parallel.destroy()
-    return losses, converted, stored
+    return losses, converted, stored, merged
 
 
 def _two_ranks():
@@ -422,6 +426,7 @@ def _two_ranks():
 def two_ranks():
     references = {"full": _train("transformers", {}, None)[0]}
     references["lora"] = _train("transformers", {}, None, LORA)[0]
+    references["stored"] = _train("transformers", {}, "rowwise", LORA, store=True)[3]
     return references, spawn(_two_ranks, 2, timeout_s=300)
 
 
@@ -434,7 +439,19 @@ def test_fp8_trains_on_fsdp2_and_tp_within_float8_rounding_of_one_float32_proces
     and, with ``fp8_store_frozen``, keeps each of their weights as a plain float8 tensor."""
     references, ranks = two_ranks
     reference = references["lora" if "lora" in name else "full"]
-    for losses, converted, stored in (r[name] for r in ranks):
+    for losses, converted, stored, _ in (r[name] for r in ranks):
         assert converted == (14 if name.startswith("transformers") else 8)
         assert stored == (converted if name.endswith("stored") else 0)
         assert_within_float8_rounding(reference, losses)
+
+
+def test_fsdp2_exports_whole_stored_bases_as_one_process_does(two_ranks):
+    """Under FSDP2 every rank streams the same merged export as one process (the float8 bases
+    dequantised beside all-gathered shards), to the bit: before training the adapters add
+    nothing, so each base is its dequantised float8 value."""
+    references, ranks = two_ranks
+    want = references["stored"]
+    for r in ranks:
+        got = r["transformers fsdp2 lora stored"][3]
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], want[n]) for n in want)
