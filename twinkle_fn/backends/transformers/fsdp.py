@@ -90,7 +90,8 @@ def device_mesh(mesh: Mesh) -> DeviceMesh:
 def parallelize(model: Model, mesh: Mesh) -> Model:
     """Shard `model`'s module in place over `mesh`; returns the model with its placement.
 
-    Its parameters become DTensors (new parameter objects: read them from the module again).
+    Its parameters become DTensors (new parameter objects: read them from the module again),
+    but for frozen weights stored in float8 (``fp8_store_frozen``), which stay whole on each rank.
     Under ``ep`` the MoE experts split over the ep ranks first
     (`twinkle_fn.backends.transformers.expert_parallel`) and FSDP2 shards them over ``edp``.
     Raises ``ValueError``
