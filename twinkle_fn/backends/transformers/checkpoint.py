@@ -206,7 +206,7 @@ def _full_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
     """Every module tensor as a whole tensor, in HF names (a collective when sharded)."""
     module = state.model.module
     bind(module, state.params, sharded=state.model.placement is not None)
-    return _as_saved(dense_state(module, unshard(dict(module.state_dict()))))
+    return _as_saved(dict(dense_state(module, unshard(dict(module.state_dict())).items())))
 
 
 def _as_saved(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

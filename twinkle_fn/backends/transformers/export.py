@@ -24,9 +24,8 @@ from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
 from twinkle_fn.backends.buckets import Bucket, buckets, persistent_buffers
-from twinkle_fn.backends.fp8 import dequantise
 from twinkle_fn.backends.transformers import fsdp
-from twinkle_fn.backends.transformers.fp8_linears import stored_scales
+from twinkle_fn.backends.transformers.fp8_linears import dense_state
 from twinkle_fn.backends.transformers.lora import _ADAPTER_OF_PARAM, _adapter_of_state
 from twinkle_fn.backends.transformers.lora import adapter_names as _adapter_names
 from twinkle_fn.lora import PEFT_PREFIX
@@ -73,16 +72,8 @@ def whole(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """`module`'s named parameters, a weight stored in float8 (``fp8_store_frozen``)
-    dequantised to float32, one at a time."""
-    scales = stored_scales(module)
-    for name, param in module.named_parameters():
-        yield name, dequantise(param.detach(), scales[name]) if name in scales else param
-
-
 def _plain(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, param in _parameters(module):
+    for name, param in dense_state(module, module.named_parameters()):
         yield name, whole(param, dtype)
     yield from _buffers(module, dtype)
 
@@ -110,7 +101,7 @@ def _merged(
     module: torch.nn.Module, adapter: str, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
-    for name, param in _parameters(module):
+    for name, param in dense_state(module, module.named_parameters()):
         if _ADAPTER_OF_PARAM.search(name):
             continue
         if _BASE not in name:

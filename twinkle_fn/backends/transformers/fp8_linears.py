@@ -28,6 +28,8 @@ it, refuses the option.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -149,12 +151,14 @@ def stored_scales(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def dense_state(
-    module: torch.nn.Module, tensors: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """`tensors` (parameter names of `module`) with each weight stored in float8 dequantised to
-    float32, exactly (`twinkle_fn.backends.fp8.dequantise`); the rest as they are."""
+    module: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` (``(name, tensor)`` pairs, parameter names of `module`) one at a time, each
+    weight stored in float8 dequantised to float32, exactly
+    (`twinkle_fn.backends.fp8.dequantise`); the rest as they are."""
     scales = stored_scales(module)
-    return {n: dequantise(t, scales[n]) if n in scales else t for n, t in tensors.items()}
+    for name, t in named:
+        yield name, dequantise(t.detach(), scales[name]) if name in scales else t
 
 
 def load_stored(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
