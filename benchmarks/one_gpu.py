@@ -186,12 +186,14 @@ _LR, _WEIGHT_DECAY, _CLIP = 1e-5, 0.01, 1.0
 class OneGpuSetup(Setup):
     """`benchmarks.throughput.Setup`, whether every row recomputes each decoder layer's
     activations in backward (``--activation-checkpointing``), the compiled twinkle rows'
-    ``memory_budget`` (``--memory-budget``; None: compile_layers' default), and the host batches
-    a row steps through in order (``fp8_parity``; empty: ``input_ids`` every step)."""
+    ``memory_budget`` (``--memory-budget``; None: compile_layers' default), the host batches
+    a row steps through in order (``fp8_parity``; empty: ``input_ids`` every step), and the
+    folder where a profiled row keeps its trace (``--trace``; None: not kept)."""
 
     activation_checkpointing: bool = False
     memory_budget: float | None = None
     batches: tuple[dict[str, Any], ...] = ()
+    trace: str | None = None
 
 
 def _compiled(setup: OneGpuSetup) -> dict[str, Any]:
@@ -235,8 +237,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device,
         "model",
         activation_checkpointing=args.activation_checkpointing,
-        profile=args.profile,
+        profile=args.profile or args.trace is not None,
         memory_budget=args.memory_budget,
+        trace=args.trace,
     )
     if args.workload == "load":
         return _main_load(args, config, device, rows)
@@ -295,7 +298,7 @@ def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str,
                 torch.cuda.reset_peak_memory_stats(setup.device)
             timing = time_steps(step, warmup, steps, setup.device)
             peak = _peak_gib(setup.device)
-            profile = profile_steps(step) if setup.profile and setup.device.type == "cuda" else None
+            profile = _profile(name, step, setup)
     except Exception as e:  # a failing row (out of memory) is a result, not a crash
         row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
     else:
@@ -313,6 +316,16 @@ def run_row(name: str, setup: OneGpuSetup, warmup: int, steps: int) -> dict[str,
             row["profile"] = profile
     release(setup.device)
     return row
+
+
+def _profile(name: str, step: Step, setup: OneGpuSetup) -> dict[str, Any] | None:
+    """`profile_steps` of row `name` on a GPU when profiling, its trace kept under ``trace``."""
+    if not setup.profile or setup.device.type != "cuda":
+        return None
+    trace = None if setup.trace is None else Path(setup.trace, f"{name}.json.gz")
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+    return profile_steps(step, trace=trace)
 
 
 def _peak_gib(device: torch.device) -> float | None:
@@ -812,6 +825,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parity-steps", type=_positive_int, default=200, help="fp8_parity")
     p.add_argument("--parity-samples", type=_positive_int, default=512, help="fp8_parity")
     p.add_argument("--profile", action="store_true", help="profile two steps per row (GPU)")
+    p.add_argument("--trace", help="profile, and keep each row's profiler trace in this folder")
     p.add_argument("--json", default="one_gpu.json")
     return p
 

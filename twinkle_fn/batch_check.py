@@ -96,9 +96,8 @@ def _check_range(
     """Refuse a token id outside ``[0, vocab)`` (-100 allowed in labels); one reduction."""
     if tensor.numel() == 0:
         return
-    values = tensor[tensor != IGNORE_INDEX] if allow_ignore else tensor
-    if values.numel() == 0:
-        return
+    # an ignored label reads as 0, which is in range: no data-dependent boolean indexing
+    values = torch.where(tensor == IGNORE_INDEX, 0, tensor) if allow_ignore else tensor
     low, high = (int(v) for v in torch.aminmax(values))
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high

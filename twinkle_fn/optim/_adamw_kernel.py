@@ -19,6 +19,7 @@ stored, as in torch's ``fused=True`` AdamW, whereas the foreach path rounds ever
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence
 
@@ -141,11 +142,12 @@ def adamw_step_(
         list(itertools.accumulate(programs, initial=0))[:-1],
     ]
     on_cuda = device.type == "cuda"
-    meta = torch.empty(_ROWS * n + total, dtype=torch.int64, pin_memory=on_cuda)
-    meta[: _ROWS * n] = torch.tensor(list(itertools.chain.from_iterable(rows)))
-    meta[_ROWS * n :] = torch.repeat_interleave(
-        torch.arange(n), torch.tensor(programs), output_size=total
-    )
+    # Built in a Python array, not with torch ops: a few thousand ints, where each CPU op
+    # (repeat_interleave, a tensor from a list) costs the host more than the whole table.
+    table = array.array("q", itertools.chain.from_iterable(rows))
+    table.extend(itertools.chain.from_iterable(map(itertools.repeat, range(n), programs)))
+    meta = torch.empty(len(table), dtype=torch.int64, pin_memory=on_cuda)
+    meta.copy_(torch.frombuffer(table, dtype=torch.int64))
     # pinned + non_blocking: the copy is queued on the stream, the host does not wait for it
     meta = meta.to(device, non_blocking=True)
     lerp_weight = 1.0 - b1
