@@ -61,6 +61,11 @@ def _calls(state):
             ValueError,
             r"batch\['labels'\] holds token id 96, .*or -100",
         ),
+        (  # beside -100s, which pass: the range check must still see a negative label
+            lambda b: {"labels": b["labels"].masked_fill(b["labels"] == 5, -1)},
+            ValueError,
+            r"batch\['labels'\] holds token id -1, .*or -100",
+        ),
         (
             lambda b: {"input_ids": b["input_ids"].float()},
             TypeError,
@@ -77,7 +82,15 @@ def _calls(state):
             r"input_ids \(3, \d+\) and labels \(3, \d+\) must share one \[batch, seq\] shape",
         ),
     ],
-    ids=["id >= vocab", "negative id", "label >= vocab", "float ids", "labels None", "shapes"],
+    ids=[
+        "id >= vocab",
+        "negative id",
+        "label >= vocab",
+        "negative label",
+        "float ids",
+        "labels None",
+        "shapes",
+    ],
 )
 def test_bad_ids_are_refused_by_every_entry_before_compute(state, no_compute, edit, error, match):
     batch = _batch()
