@@ -153,12 +153,14 @@ class LoraParallelLinear(MegatronModule):
         )
         with rng:
             x = self.lora_dropout(x)
+        # The scale multiplies the rank-r intermediate, not the [tokens, out] update: backward
+        # then scales an r-wide gradient instead of writing a scaled copy of the output's.
         if self.column:
-            y, _ = self.lora_B(self.lora_A(x))
+            y, _ = self.lora_B(self.lora_A(x) * self.scaling)
         else:
             h, _ = self.lora_A(x)
-            y = self.lora_B(h)
-        return y * self.scaling
+            y = self.lora_B(h * self.scaling)
+        return y
 
 
 class ExpertLora(torch.nn.Module):
@@ -211,7 +213,8 @@ class ExpertLora(torch.nn.Module):
         """``[tokens, out]``: the update of each row of `x` ``[tokens, in]`` (sorted by local
         expert, `offs` the cumulative group ends as in `grouped_linear`)."""
         h = grouped_linear(x, offs, list(self.lora_A.unbind(0)))  # [tokens, r]
-        return grouped_linear(h, offs, list(self.lora_B.unbind(0))) * self.scaling
+        # scaled at rank r, as in `LoraParallelLinear._update`
+        return grouped_linear(h * self.scaling, offs, list(self.lora_B.unbind(0)))
 
 
 @contextlib.contextmanager
