@@ -10,6 +10,7 @@
   megatron-core's formulas (`router_reference`).
 - `accelerator_checks`: Triton kernels under the CPU interpreter, float8 loss bounds, CUDA
   host-sync detection.
+- `op_records`: `op_shapes`, the output shapes of one aten op while a block runs.
 
 Multi-rank helpers (spawning gloo ranks) are in `twinkle_fn.testing_dist`.
 """
@@ -38,10 +39,12 @@ from twinkle_fn.testing.loss_references import (
     weighted_ce_reference,
 )
 from twinkle_fn.testing.moe_reference import router_reference
+from twinkle_fn.testing.op_records import op_shapes
 
 __all__ = [
     "assert_within_float8_rounding",
     "no_host_sync",
+    "op_shapes",
     "policy_gradient_reference",
     "ppo_reference",
     "ppo_reference_terms",

@@ -10,6 +10,7 @@ from peft import LoraConfig
 from twinkle_fn.backends.megatron.lora import LINEARS
 from twinkle_fn.backends.megatron.lora_linear import LoraParallelLinear, adapters_off
 from twinkle_fn.backends.megatron.spec import RowParallelLinear  # the one the layer spec builds
+from twinkle_fn.testing import op_shapes
 
 
 def _base(kind):
@@ -67,3 +68,20 @@ def test_an_adapted_linear_compiles_into_one_graph(megatron_world, kind, linear)
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(layer)(torch.randn(5, 3, base.weight.shape[1]))
     assert explanation.break_reasons == [] and explanation.graph_count == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "linear"), [("column", "mlp.linear_fc1"), ("row", "mlp.linear_fc2")]
+)
+def test_backward_scales_the_rank_r_gradient_not_the_output_gradient(megatron_world, kind, linear):
+    """The scale multiplies the ``[seq, batch, r]`` intermediate, so backward scales an r-wide
+    gradient; scaling the output made it write a scaled copy of the ``[seq, batch, out]`` one
+    (13 ms of a 4B LoRA step on an H200, `benchmarks/RESULTS.md`)."""
+    base = _base(kind)
+    base.weight.requires_grad_(False)  # frozen, as under add_lora
+    config = LoraConfig(r=2, lora_alpha=6, init_lora_weights=False)
+    layer = LoraParallelLinear(base, config, rule=LINEARS[linear], seed=0)
+    out, _ = layer(torch.randn(5, 3, base.weight.shape[1], requires_grad=True))
+    with op_shapes(torch.ops.aten.mul) as shapes:
+        out.backward(torch.ones_like(out))
+    assert shapes == [(5, 3, 2)]
