@@ -67,7 +67,9 @@ Tokens/s counts ``batch * seq`` tokens a step; peak memory is CUDA's peak alloca
 the steps (what construction left allocated counts; a transient of construction, such as the
 transformers backend's float32 module before ``tf.init`` stores a LoRA base in bf16, does not)
 in GiB. A failing row (out of memory) is reported
-and the run goes on; the JSON is rewritten after every row.
+and the run goes on; the JSON is rewritten after every row. ``--profile`` adds a profile of two
+more steps per row on a GPU (`benchmarks.profile_summary`: kernel time by kind, idle gaps, top
+kernels); ``--trace DIR`` also keeps each row's trace there (``<row>.json.gz``, for Perfetto).
 
     python -m benchmarks.one_gpu --workload lora --shape qwen3-4b --seq 2048 --batch 4 \\
         --json lora.json
