@@ -6,7 +6,8 @@ decoder layers, output embedding (the `FusedLMHead`), config and FSDP2 root are 
 and parameter names keep their HF paths (``model.layers.0.self_attn.q_proj.lora_A.default.weight``,
 the base weight under ``...q_proj.base_layer.weight``). Only the adapters require grad, so
 `twinkle_fn.init` puts only them in the state and the optimizer; the frozen base weights are
-sharded with the module but never receive gradients.
+sharded with the module but never receive gradients. peft's plain ``Linear`` layers become
+`twinkle_fn.backends.transformers.lora_layer.FactorScaledLinear` (the scale applied to ``A``).
 
 A module may hold several named adapters (``add_lora`` once per name), as peft's multi-adapter
 models do: one is *active* at a time, meaning the forward adds only its low-rank update and only
@@ -33,6 +34,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from torch.distributed.tensor import DTensor
 
 from twinkle_fn.backends.transformers import fsdp
+from twinkle_fn.backends.transformers.lora_layer import scale_factors
 from twinkle_fn.lora import PEFT_PREFIX, check_adapters_only, lora_config, resolve_moe_targets
 from twinkle_fn.models.model import Model
 from twinkle_fn.state import TrainState
@@ -105,6 +107,7 @@ def add_lora(
             # peft warns whenever a second adapter joins a module: that is the point here.
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
             inject_adapter_in_model(config, module, adapter_name=adapter_name)
+        scale_factors(module)
     except BaseException:
         # peft registers the config before matching the targets; a failed add leaves no trace.
         if names:
