@@ -90,3 +90,14 @@ def test_a_factor_behind_hooks_runs_its_own_forward():
     out = layer(x)
     assert calls == [1]
     torch.testing.assert_close(out, Linear.forward(layer, x), rtol=0, atol=0)
+
+
+def test_an_adapted_decoder_layer_compiles_into_one_graph():
+    """A graph break would split each compiled layer in pieces that inductor fuses and
+    partitions apart."""
+    model = tf.models.from_hf_config(tiny_config("qwen3"), seed=0, device="cpu")
+    model = tf.lora.add_lora(model, {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    adapted = model.module.model.layers[0].mlp
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(adapted)(torch.randn(2, 5, adapted.gate_proj.in_features))
+    assert explanation.break_reasons == [] and explanation.graph_count == 1
