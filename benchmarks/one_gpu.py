@@ -69,7 +69,8 @@ transformers backend's float32 module before ``tf.init`` stores a LoRA base in b
 in GiB. A failing row (out of memory) is reported
 and the run goes on; the JSON is rewritten after every row. ``--profile`` adds a profile of two
 more steps per row on a GPU (`benchmarks.profile_summary`: kernel time by kind, idle gaps, top
-kernels); ``--trace DIR`` also keeps each row's trace there (``<row>.json.gz``, for Perfetto).
+kernels); ``--trace DIR`` also keeps each row's trace there (``<row>.json.gz``, for Perfetto
+or ``python -m benchmarks.profile_summary DIR/<row>.json.gz``).
 
     python -m benchmarks.one_gpu --workload lora --shape qwen3-4b --seq 2048 --batch 4 \\
         --json lora.json

@@ -1,5 +1,8 @@
 """Where a training step's GPU time goes: kernel time by kind, idle time and exposed NCCL time.
 
+``python -m benchmarks.profile_summary TRACE [--steps N]`` prints the summary of a trace a
+benchmark kept (``--trace``; `N` steps in it, 2 as `profile_steps` records).
+
 `profile_steps(step, n)` runs `step` `n` times under ``torch.profiler`` (CUDA kernels only) and
 summarises the trace per step:
 
@@ -70,9 +73,14 @@ def profile_steps(
         raw = Path(tmp, "trace.json.gz").read_bytes()
     if trace is not None:
         Path(trace).write_bytes(raw)
+    return summarise(kernel_events(raw), n)
+
+
+def kernel_events(raw: bytes) -> list[dict[str, Any]]:
+    """The CUDA kernel events (``name``, ``ts``, ``dur`` in microseconds) of a gzipped chrome
+    trace's bytes, as `profile_steps` keeps them."""
     events = json.loads(gzip.decompress(raw))["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    return summarise(kernels, n)
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
 def host_ops(step: Callable[[], Any], n: int = 1, top: int = 12) -> list[dict[str, Any]]:
@@ -211,3 +219,22 @@ def intersection(xs: list[Span], ys: list[Span]) -> float:
         else:
             j += 1
     return total
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Print and return the summary of a kept trace (see the module docstring)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="summarise a kept profiler trace")
+    parser.add_argument("trace", type=Path, help="a gzipped chrome trace (<row>.json.gz)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps in the trace")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    summary = summarise(kernel_events(args.trace.read_bytes()), args.steps)
+    print(format_summary(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

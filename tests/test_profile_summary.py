@@ -1,6 +1,9 @@
 """benchmarks/profile_summary.py's arithmetic on hand-made kernel spans (the GPU traces it reads
 come from the device)."""
 
+import gzip
+import json
+
 import pytest
 
 from benchmarks import profile_summary as ps
@@ -91,3 +94,18 @@ def test_host_ops_counts_each_operator_per_step():
     assert ops["aten::mm"]["calls"] == 2  # two matmuls a step, averaged over the two steps
     assert ops["aten::sum"]["calls"] == 1
     assert all(op["self_ms"] >= 0 for op in ops.values())
+
+
+def test_a_kept_trace_summarises_from_the_command_line(tmp_path, capsys):
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 0, "dur": 4},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9},  # host: not counted
+        {"ph": "X", "cat": "kernel", "name": "triton_b", "ts": 6, "dur": 2},
+    ]
+    trace = tmp_path / "row.json.gz"
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    summary = ps.main([str(trace), "--steps", "1"])
+    assert summary["wall_ms"] == pytest.approx(8e-3)
+    assert summary["busy"] == pytest.approx(6 / 8)
+    assert summary["kernels_ms"] == {"gemm": pytest.approx(4e-3), "triton": pytest.approx(2e-3)}
+    assert "ms/step on the GPU, busy 75%" in capsys.readouterr().out
