@@ -33,9 +33,8 @@ class FactorScaledLinear(Linear):
         """``base(x) + sum over active adapters of B((scaling * A)(dropout(x)))``; peft's
         forward wherever it does more than that (see the module docstring)."""
         active = [a for a in self.active_adapters if a in self.lora_A]
-        if args or kwargs or self.disable_adapters or self.merged:
-            return super().forward(x, *args, **kwargs)
-        if any(a in self.lora_variant or _hooked(self.lora_A[a]) for a in active):
+        plain = not (args or kwargs or self.disable_adapters or self.merged)
+        if not plain or any(a in self.lora_variant or _hooked(self.lora_A[a]) for a in active):
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)
         dtype = result.dtype
@@ -58,12 +57,9 @@ def _hooked(factor: torch.nn.Module) -> bool:
     )
 
 
-def scale_factors(module: torch.nn.Module) -> int:
+def scale_factors(module: torch.nn.Module) -> None:
     """Turn each of `module`'s peft LoRA ``Linear`` layers (that class exactly, not peft's
-    other LoRA layers) into a `FactorScaledLinear`, in place; returns how many it turned."""
-    turned = 0
+    other LoRA layers) into a `FactorScaledLinear`, in place."""
     for layer in module.modules():
         if type(layer) is Linear:
             layer.__class__ = FactorScaledLinear
-            turned += 1
-    return turned
