@@ -9,7 +9,8 @@ two GEMMs read it, a copy written in every adapted linear of every layer; here t
 anyway (no kernel of its own under ``torch.compile``). (The megatron backend's adapters scale
 their rank-r intermediate: there the output-sized copy cost 13 ms of a 4B LoRA step's 290 on
 an H200, `benchmarks/RESULTS.md`.) A factor behind module hooks (tensor parallelism's
-redistributions) takes peft's path, as its forward must run.
+redistributions) takes peft's path, as its forward must run, and so does a ``B`` with a bias
+(``lora_bias``), which peft scales with the update.
 
 Only the plain forward is replaced: disabled or merged adapters, peft's LoRA variants and
 extra forward arguments (mixed-batch ``adapter_names``) take peft's own path, and names,
@@ -34,7 +35,7 @@ class FactorScaledLinear(Linear):
         forward wherever it does more than that (see the module docstring)."""
         active = [a for a in self.active_adapters if a in self.lora_A]
         plain = not (args or kwargs or self.disable_adapters or self.merged)
-        if not plain or any(a in self.lora_variant or _hooked(self.lora_A[a]) for a in active):
+        if not plain or any(a in self.lora_variant or _unplain(self, a) for a in active):
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)
         dtype = result.dtype
@@ -46,14 +47,17 @@ class FactorScaledLinear(Linear):
         return result.to(dtype)
 
 
-def _hooked(factor: torch.nn.Module) -> bool:
-    """Whether calling `factor`'s forward does more than its linear (hooks, a DTensor weight,
-    a bias, another class)."""
+def _unplain(layer: Linear, adapter: str) -> bool:
+    """Whether `adapter`'s factors do more than two bias-free linears: peft scales ``B``'s bias
+    (``lora_bias``) with the update, and a hooked ``A`` (tp's redistributions), a DTensor
+    weight or another class must run its own forward."""
+    lora_a, lora_b = layer.lora_A[adapter], layer.lora_B[adapter]
     return (
-        type(factor) is not torch.nn.Linear
-        or factor.bias is not None
-        or isinstance(factor.weight, DTensor)
-        or bool(factor._forward_hooks or factor._forward_pre_hooks)
+        type(lora_a) is not torch.nn.Linear
+        or lora_a.bias is not None
+        or getattr(lora_b, "bias", None) is not None
+        or isinstance(lora_a.weight, DTensor)
+        or bool(lora_a._forward_hooks or lora_a._forward_pre_hooks)
     )
 
 

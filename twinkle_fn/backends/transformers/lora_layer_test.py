@@ -13,11 +13,13 @@ from twinkle_fn.testing import op_shapes, tiny_config
 TOKENS, IN, OUT, R = 6, 12, 20, 4
 
 
-def _layer(alpha: float, seed: int = 0) -> Linear:
+def _layer(alpha: float, seed: int = 0, **options) -> Linear:
     torch.manual_seed(seed)
     module = torch.nn.Sequential(torch.nn.Linear(IN, OUT))
     # init_lora_weights=False: B random too, so the update is not zero
-    config = LoraConfig(r=R, lora_alpha=alpha, target_modules=["0"], init_lora_weights=False)
+    config = LoraConfig(
+        r=R, lora_alpha=alpha, target_modules=["0"], init_lora_weights=False, **options
+    )
     inject_adapter_in_model(config, module)
     return module[0]
 
@@ -57,6 +59,21 @@ def test_backward_scales_no_output_sized_gradient(forward, scaled):
     with op_shapes(torch.ops.aten.mul) as shapes:
         out.backward(torch.ones_like(out))
     assert shapes == [scaled]
+
+
+def test_two_active_adapters_and_a_b_bias_match_peft():
+    """peft scales ``B``'s bias too (``lora_bias``): such an adapter takes peft's forward."""
+    layer = _layer(3.0, lora_bias=True)
+    config = LoraConfig(r=2, lora_alpha=8, target_modules=["0"], init_lora_weights=False)
+    inject_adapter_in_model(config, torch.nn.Sequential(layer), adapter_name="second")
+    layer.set_adapter(["default", "second"])
+    x = torch.randn(TOKENS, IN, generator=torch.Generator().manual_seed(1))
+    want_out, want_grads = _run(Linear.forward, layer, x)
+    scale_factors(torch.nn.Sequential(layer))
+    got_out, got_grads = _run(FactorScaledLinear.forward, layer, x)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-6, atol=1e-6)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_other_forwards_are_peft_s():
