@@ -100,6 +100,39 @@ def _mesh_from_array(
     return core, names
 
 
+def _mesh_from_core(
+    mesh: Mesh,
+    names: tuple[str, ...] | None,
+    *,
+    ep_size: int | None,
+    etp_size: int | None,
+    sequence_parallel: bool | None,
+    ulysses_size: int | None,
+) -> tuple[Mesh, tuple[str, ...]]:
+    """A core `mesh` given to ``DeviceMesh`` (with ``ulysses_size`` applied) and the axes its
+    rank array names (dp, and every axis of size > 1, in upstream's order). Raises
+    ``ValueError`` for `names` (a core mesh names its own axes) and for an ep, etp, sequence
+    parallel or ulysses value that disagrees with the mesh's."""
+    if names is not None:
+        raise ValueError(
+            f"mesh_dim_names={names!r} names the axes of a rank array; a twinkle_fn.Mesh names "
+            "its own: leave mesh_dim_names unset"
+        )
+    for field, value in (
+        ("ep_size", ep_size),
+        ("etp_size", etp_size),
+        ("sequence_parallel", sequence_parallel),
+    ):
+        have = getattr(mesh, field.removesuffix("_size"))
+        if value is not None and value != have:
+            raise ValueError(
+                f"{field}={value!r} disagrees with the mesh's {have!r}; set it on the "
+                "twinkle_fn.Mesh and leave it unset here"
+            )
+    mesh = _with_ulysses(mesh, ulysses_size, from_core=True)
+    return mesh, tuple(a for a in _UPSTREAM_ORDER if a == "dp" or getattr(mesh, a) > 1)
+
+
 def _with_ulysses(mesh: Mesh, ulysses_size: int | None, from_core: bool) -> Mesh:
     """`mesh` with ``ulysses = ulysses_size`` (the core's Ulysses axis). Raises ``ValueError``
     when a core mesh has another ulysses size, or for ulysses with a rank array."""

@@ -41,6 +41,7 @@ from twinkle._mesh_layout import (
     _UPSTREAM_ORDER,
     _carve_ulysses,
     _mesh_from_array,
+    _mesh_from_core,
     _optional_size,
     _rank_array,
     _with_ulysses,
@@ -104,25 +105,14 @@ class DeviceMesh:
 
     def __post_init__(self) -> None:
         if isinstance(self.mesh, Mesh):
-            if self.mesh_dim_names is not None:
-                raise ValueError(
-                    f"mesh_dim_names={self.mesh_dim_names!r} names the axes of a rank array; a "
-                    "twinkle_fn.Mesh names its own: leave mesh_dim_names unset"
-                )
-            mesh = self.mesh
-            for field, value in (
-                ("ep_size", self.ep_size),
-                ("etp_size", self.etp_size),
-                ("sequence_parallel", self.sequence_parallel),
-            ):
-                have = getattr(mesh, field.removesuffix("_size"))
-                if value is not None and value != have:
-                    raise ValueError(
-                        f"{field}={value!r} disagrees with the mesh's {have!r}; set it on the "
-                        "twinkle_fn.Mesh and leave it unset here"
-                    )
-            mesh = _with_ulysses(mesh, self.ulysses_size, from_core=True)
-            names = tuple(a for a in _UPSTREAM_ORDER if a == "dp" or getattr(mesh, a) > 1)
+            mesh, names = _mesh_from_core(
+                self.mesh,
+                self.mesh_dim_names,
+                ep_size=self.ep_size,
+                etp_size=self.etp_size,
+                sequence_parallel=self.sequence_parallel,
+                ulysses_size=self.ulysses_size,
+            )
         else:
             mesh, names = _mesh_from_array(
                 self.mesh, self.mesh_dim_names, self.ep_size, self.etp_size, self.sequence_parallel
