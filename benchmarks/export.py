@@ -25,11 +25,9 @@ after every row.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -37,29 +35,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 import twinkle_fn as tf
-from benchmarks.throughput import versions
+from benchmarks.cli import device_of
+from benchmarks.report import device_name, versions, write_json
+from benchmarks.shapes import QWEN3_SHAPES
+from benchmarks.timing import sync
 
+# `benchmarks.shapes.QWEN3_SHAPES` on transformers' Qwen3 defaults, not on `qwen3_config`'s
+# (so the tiny one is untied)
 SHAPES = MappingProxyType(
     {
-        "tiny": dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        ),
-        "qwen3-4b": dict(
-            vocab_size=151936,
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            tie_word_embeddings=True,
-        ),
+        "tiny": QWEN3_SHAPES["tiny"],
+        "qwen3-4b": {**QWEN3_SHAPES["qwen3-4b"], "tie_word_embeddings": True},
     }
 )
 ROWS = ("export_stream", "state_dict_device", "state_dict_cpu")
@@ -76,7 +62,7 @@ def config_of(shape: str) -> PretrainedConfig:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the rows, print a table and return (and write to ``--json``) the results."""
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args.device)
     config = config_of(args.shape)
     # the megatron backend builds its own model on the device; its HF module stays on the host
     home = device if args.backend == "transformers" else None
@@ -91,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shape": args.shape,
         "backend": args.backend,
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device_name": device_name(device),
         "bucket_bytes": args.bucket_mb << 20,
         "export_gb": nbytes / GB,
         "versions": versions(),
@@ -104,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for name in args.rows:
         result["rows"][name] = _measure(runs[name], consumer, state, nbytes, args, device)
-        _write(result, args.json)
+        write_json(result, args.json)
     _print(result)
     return result
 
@@ -132,13 +118,13 @@ def _measure(
     times = []
     for i in range(args.warmup + args.repeats):
         _zero(consumer)
-        _sync(device)
+        sync(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         run()
-        _sync(device)
+        sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     extra = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
@@ -167,16 +153,6 @@ def _max_diff(consumer: torch.nn.Module, state: tf.TrainState) -> float:
         for name, tensor in bucket
     ]
     return float(torch.stack(diffs).max())
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _write(result: dict[str, Any], path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(result, indent=2))
 
 
 def _print(result: dict[str, Any]) -> None:

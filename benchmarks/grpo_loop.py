@@ -1,7 +1,7 @@
 """The whole GRPO loop (`twinkle_fn.grpo.iterations`, what ``cookbook/grpo.py`` and ``twinkle
 rl`` run) on one device: tokens/s of the training step and GB/s of the weight stream.
 
-A randomly initialised Qwen2.5-shaped model (`benchmarks.throughput.SHAPES`, no download) is
+A randomly initialised Qwen2.5-shaped model (`benchmarks.shapes.QWEN25_SHAPES`, no download) is
 the trainer, on the transformers backend (``--backend megatron`` for megatron-core's), bf16
 compute over fp32 master weights on a GPU; a plain HF model of the same shape is the sampler,
 fed by ``tf.export_weights`` after every step (bf16 on a GPU). Prompts are the built-in
@@ -10,8 +10,8 @@ random model's reward stays near 0; the reward is reported, not the point). Per 
 loop records (medians over the iterations after ``--warmup``):
 
 - ``train_tokens_per_s``: the batch's tokens (prompt + completion, padded) times the PPO epochs
-  over their ``tf.fwd_bwd`` + ``tf.step`` seconds, and its MFU (`benchmarks.throughput`'s
-  formula at the batch's padded length);
+  over their ``tf.fwd_bwd`` + ``tf.step`` seconds, and its MFU (`benchmarks.flops`'s formula
+  at the batch's padded length);
 - ``sync_gb_per_s``: bytes of the exported weights over the seconds of streaming them into the
   sampler (``load_state_dict`` bucket by bucket);
 - ``rollout_s`` (sampling, a plain loop of full forwards without a KV cache: not an inference
@@ -23,17 +23,19 @@ loop records (medians over the iterations after ``--warmup``):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import twinkle_fn as tf
-from benchmarks import throughput as tp
+from benchmarks.cli import device_of, positive_int
+from benchmarks.flops import MFU_FORMULA, default_peak, flops_per_token, mfu
+from benchmarks.report import device_name, fmt, versions, write_json
+from benchmarks.shapes import QWEN25_SHAPES, qwen25_config
+from benchmarks.timing import peak_gib
+from benchmarks.training import backend_world, twinkle_optimizer
 from twinkle_fn import grpo
 from twinkle_fn.data import char_tokenizer
 
@@ -43,10 +45,10 @@ TIMED = ("train_tokens_per_s", "sync_gb_per_s", "rollout_s", "train_s", "sync_s"
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the loop, print a summary and return (and write to ``--json``) the results."""
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args.device)
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    config = tp.qwen25_config(args.shape)
+    config = qwen25_config(args.shape)
     tokenizer = char_tokenizer()
     rl = grpo.GRPOConfig(
         prompts_per_step=args.prompts_per_step,
@@ -56,15 +58,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         beta=args.beta,
     )
     steps = args.warmup + args.steps
-    world = tp.megatron_world(device) if args.backend == "megatron" else contextlib.nullcontext()
-    with world:
+    with backend_world(args.backend, device):
         # the megatron backend builds its own model on the device; its HF module stays on the host
         home = device if args.backend == "transformers" else torch.device("cpu")
         with torch.device(home):
             model = tf.models.from_hf_config(
                 config, backend=args.backend, precision=precision, device=home, seed=0
             )
-        state = tf.init(model, tp.twinkle_optimizer(args.backend))
+        state = tf.init(model, twinkle_optimizer(args.backend))
         with device:
             sampler = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         grpo.sync(sampler, state, dtype)
@@ -79,29 +80,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timed = records[args.warmup :]
     medians = {k: statistics.median(r[k] for r in timed) for k in TIMED}
     seq = medians["tokens"] / (rl.prompts_per_step * rl.group_size)  # padded length
-    flops = tp.flops_per_token(config, round(seq))
-    peak = args.peak_flops or tp.default_peak(device)
+    flops = flops_per_token(config, round(seq))
+    peak = args.peak_flops or default_peak(device)
     result = {
         "shape": args.shape,
         "backend": args.backend,
         "precision": precision,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device_name": device_name(device),
         "grpo": vars(args) | {"device": str(device)},
         "samples_per_step": rl.prompts_per_step * rl.group_size,
         "padded_seq": seq,
         **medians,
-        "train_mfu": tp.mfu(medians["train_tokens_per_s"], flops, peak),
-        "mfu_formula": tp.MFU_FORMULA,
-        "peak_mem_gib": (
-            torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        ),
+        "train_mfu": mfu(medians["train_tokens_per_s"], flops, peak),
+        "mfu_formula": MFU_FORMULA,
+        "peak_mem_gib": peak_gib(device),
         "reward_first": records[0]["reward"],
         "reward_last": records[-1]["reward"],
         "records": records,
-        "versions": tp.versions(),
+        "versions": versions(),
     }
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(result, args.json)
     _print(result)
     return result
 
@@ -114,26 +112,26 @@ def _print(result: dict[str, Any]) -> None:
     )
     print(
         f"train step: {result['train_tokens_per_s']:.0f} tokens/s "
-        f"(MFU {tp._fmt(result['train_mfu'], '.1f', 100.0, '%')}); weight stream: "
+        f"(MFU {fmt(result['train_mfu'], '.1f', 100.0, '%')}); weight stream: "
         f"{result['sync_gb_per_s']:.2f} GB/s ({result['sync_s'] * 1e3:.1f} ms); rollouts "
         f"{result['rollout_s']:.2f} s, train {result['train_s']:.2f} s per step; peak "
-        f"{tp._fmt(result['peak_mem_gib'], '.1f')} GiB; reward {result['reward_first']:.3f} -> "
+        f"{fmt(result['peak_mem_gib'], '.1f')} GiB; reward {result['reward_first']:.3f} -> "
         f"{result['reward_last']:.3f}"
     )
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=tuple(tp.SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--shape", choices=tuple(QWEN25_SHAPES), default="qwen2.5-0.5b")
     p.add_argument("--backend", choices=("transformers", "megatron"), default="transformers")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--precision", choices=("fp32", "bf16"), help="default: bf16 on cuda")
-    p.add_argument("--steps", type=tp._positive_int, default=5, help="timed iterations")
-    p.add_argument("--warmup", type=tp._positive_int, default=2, help="untimed iterations first")
-    p.add_argument("--prompts-per-step", type=tp._positive_int, default=16)
-    p.add_argument("--group-size", type=tp._positive_int, default=8)
-    p.add_argument("--max-new-tokens", type=tp._positive_int, default=128)
-    p.add_argument("--ppo-epochs", type=tp._positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=5, help="timed iterations")
+    p.add_argument("--warmup", type=positive_int, default=2, help="untimed iterations first")
+    p.add_argument("--prompts-per-step", type=positive_int, default=16)
+    p.add_argument("--group-size", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--ppo-epochs", type=positive_int, default=2)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--peak-flops", type=float, default=None, help="default: 989e12 on H100/H200")
     p.add_argument("--json", default=None)

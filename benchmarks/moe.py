@@ -36,10 +36,13 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
-from benchmarks import throughput as tp
-from twinkle_fn import backends
+from benchmarks.cli import device_of, positive_int
+from benchmarks.flops import default_peak, mfu
+from benchmarks.report import add_ratios, device_name, fmt, summary, versions
+from benchmarks.timing import Step, peak_gib, run_isolated, skipped_row, time_steps
+from benchmarks.training import Setup, backend_world, hf_loop_step, hf_model, hf_step, twinkle_step
 
 _QWEN3_MOE = dict(
     model_type="qwen3_moe",
@@ -130,15 +133,15 @@ def flops_per_token(config: PretrainedConfig, seq: int) -> int:
 def main(argv: list[str] | None = None) -> dict:
     """Run the selected rows and return (and print, and write) the results."""
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args.device)
     config = moe_config(args.shape, args.layers)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen)
-    setup = tp.Setup(config, ids.to(device), device, "model")
-    fpt, peak = flops_per_token(config, args.seq), tp.default_peak(device)
+    setup = Setup(config, ids.to(device), device, "model")
+    fpt, peak = flops_per_token(config, args.seq), default_peak(device)
     result: dict[str, Any] = {
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "versions": tp.versions(),
+        "device_name": device_name(device),
+        "versions": versions(),
         "shape": args.shape,
         "layers": args.layers,
         "seq": args.seq,
@@ -158,42 +161,38 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.rows:
         row = _run_row(name, setup, args.warmup, args.steps)
         if row["status"] == "ok":
-            row["mfu"] = tp.mfu(row["tokens_per_s"], fpt, peak)
+            row["mfu"] = mfu(row["tokens_per_s"], fpt, peak)
         result["rows"][name] = row
-        tp.add_ratios(result["rows"], BASELINES)
+        add_ratios(result["rows"], BASELINES)
         print(f"{name}: {_line(row)}", flush=True)
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 
-def _run_row(name: str, setup: tp.Setup, warmup: int, steps: int) -> dict[str, Any]:
+def _run_row(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]:
     """One row's measurement, or why it was skipped or failed."""
-    if "_compiled" in name and setup.device.type != "cuda":
-        return {"status": "skipped", "reason": "GPU only (compiling on a CPU takes minutes)"}
-    if "megatron" in name and "megatron" not in backends.names():
-        return {"status": "skipped", "reason": "no megatron backend in twinkle_fn.backends"}
-    tp.release(setup.device)
-    try:
-        with _ROW_BUILDERS[name](setup) as step:
-            timing = tp.time_steps(step, warmup, steps, setup.device)
-            peak_gib = tp._peak_gib(setup.device)
-            step_peak_gib = _step_peak_gib(step, setup.device)
-    except Exception as e:  # a failing row is a result (out of memory), not a crash
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
-    finally:
-        tp.release(setup.device)
+    return skipped_row(name, setup.device) or run_isolated(
+        setup.device, lambda: _measure(name, setup, warmup, steps)
+    )
+
+
+def _measure(name: str, setup: Setup, warmup: int, steps: int) -> dict[str, Any]:
+    with _ROW_BUILDERS[name](setup) as step:
+        timing = time_steps(step, warmup, steps, setup.device)
+        peak = peak_gib(setup.device)
+        step_peak_gib = _step_peak_gib(step, setup.device)
     return {
         "status": "ok",
         "step_ms": 1e3 * timing.seconds,
         "tokens_per_s": setup.input_ids.numel() / timing.seconds,
-        "peak_mem_gib": peak_gib,
+        "peak_mem_gib": peak,
         "step_peak_gib": step_peak_gib,
         "first_loss": timing.first_loss,
         "last_loss": timing.last_loss,
     }
 
 
-def _step_peak_gib(step: tp.Step, device: torch.device) -> float | None:
+def _step_peak_gib(step: Step, device: torch.device) -> float | None:
     """The CUDA peak of one more step alone: warm-up and compilation excluded (``peak_mem_gib``
     includes them)."""
     if device.type != "cuda":
@@ -201,60 +200,40 @@ def _step_peak_gib(step: tp.Step, device: torch.device) -> float | None:
     torch.cuda.reset_peak_memory_stats(device)
     step()
     torch.cuda.synchronize(device)
-    return tp._peak_gib(device)
+    return peak_gib(device)
 
 
-def _hf(compiled: bool) -> Callable[[tp.Setup], contextlib.AbstractContextManager[tp.Step]]:
+def _hf(compiled: bool) -> Callable[[Setup], contextlib.AbstractContextManager[Step]]:
     @contextlib.contextmanager
-    def build(setup: tp.Setup) -> Iterator[tp.Step]:
-        yield tp._hf_step(setup, compile_scope="model" if compiled else None)
+    def build(setup: Setup) -> Iterator[Step]:
+        yield hf_step(setup, compile_scope="model" if compiled else None)
 
     return build
 
 
 def _twinkle(
     backend: str, options: dict[str, Any] | None = None, lora: bool = False
-) -> Callable[[tp.Setup], contextlib.AbstractContextManager[tp.Step]]:
+) -> Callable[[Setup], contextlib.AbstractContextManager[Step]]:
     @contextlib.contextmanager
-    def build(setup: tp.Setup) -> Iterator[tp.Step]:
-        world = (
-            tp.megatron_world(setup.device) if backend == "megatron" else contextlib.nullcontext()
-        )
-        with world:
-            yield tp._twinkle_step(setup, backend, options, lora=dict(LORA) if lora else None)
+    def build(setup: Setup) -> Iterator[Step]:
+        with backend_world(backend, setup.device):
+            yield twinkle_step(setup, backend, options, lora=dict(LORA) if lora else None)
 
     return build
 
 
 @contextlib.contextmanager
-def _hf_lora(setup: tp.Setup) -> Iterator[tp.Step]:
+def _hf_lora(setup: Setup) -> Iterator[Step]:
     """peft on the plain loop: `LORA`'s targets resolved as twinkle resolves them (attention
     linears, the fused experts through ``target_parameters``), only the adapter training."""
     from peft import get_peft_model
 
     from twinkle_fn.lora import lora_config, resolve_moe_targets
 
-    device, ids = setup.device, setup.input_ids
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            setup.config, dtype=torch.float32, attn_implementation="sdpa"
-        ).train()
+    model = hf_model(setup)
     model = get_peft_model(model, resolve_moe_targets(lora_config(dict(LORA)), model))
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    opt = torch.optim.AdamW(params, lr=tp._LR, weight_decay=tp._WEIGHT_DECAY, **fused)
-
-    def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tp._CLIP, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    yield step
+    yield hf_loop_step(model, params, setup)
 
 
 _ROW_BUILDERS = MappingProxyType(
@@ -274,36 +253,19 @@ _ROW_BUILDERS = MappingProxyType(
 
 
 def _line(row: dict[str, Any]) -> str:
-    if row["status"] != "ok":
-        return f"{row['status']}: {row.get('error') or row.get('reason')}"
-    ratios = (
-        f"x {base} {'n/a' if row[f'x_{base}'] is None else format(row[f'x_{base}'], '.2f')}"
-        for base in BASELINES
-    )
-    return ", ".join(
-        [
-            f"{row['tokens_per_s']:.0f} tokens/s",
-            f"{row['step_ms']:.1f} ms/step",
-            "MFU n/a" if row["mfu"] is None else f"MFU {100 * row['mfu']:.1f}%",
-            "peak n/a" if row["peak_mem_gib"] is None else f"peak {row['peak_mem_gib']:.1f} GiB",
-            "step peak n/a"
-            if row["step_peak_gib"] is None
-            else f"step peak {row['step_peak_gib']:.1f} GiB",
-            *ratios,
-            f"loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}",
-        ]
-    )
+    step_peak = f"step peak {fmt(row.get('step_peak_gib'), '.1f', unit=' GiB')}"
+    return summary(row, BASELINES, extra=[step_peak])
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=tp._positive_int, default=2)
-    p.add_argument("--seq", type=tp._positive_int, default=2048)
-    p.add_argument("--batch", type=tp._positive_int, default=4)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--seq", type=positive_int, default=2048)
+    p.add_argument("--batch", type=positive_int, default=4)
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
-    p.add_argument("--steps", type=tp._positive_int, default=10)
-    p.add_argument("--warmup", type=tp._positive_int, default=3)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--warmup", type=positive_int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--json", default="moe.json")
     return p

@@ -29,32 +29,38 @@ bytes. Every row reports the device's peak allocated memory during the row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import twinkle_fn as tf
-from benchmarks import throughput as tp
+from benchmarks.cli import device_of, positive_int
+from benchmarks.flops import MFU_FORMULA as TRAIN_MFU_FORMULA
+from benchmarks.flops import default_peak, flops_per_token, mfu
+from benchmarks.report import device_name, fmt, versions, write_json
+from benchmarks.shapes import QWEN25_SHAPES, qwen25_config
+from benchmarks.timing import peak_gib, release, sync
+from benchmarks.training import backend_world, host_batch, padded_batch, twinkle_optimizer
 
 ROWS = ("old_logps", "sft_step", "grpo_step", "grpo_entropy_step", "weight_sync")
 STEP_ROWS = ("sft_step", "grpo_step", "grpo_entropy_step")
-MFU_FORMULA = f"{tp.MFU_FORMULA}; a forward-only row counts a third of it (2 N + 2 L H S per token)"
+MFU_FORMULA = (
+    f"{TRAIN_MFU_FORMULA}; a forward-only row counts a third of it (2 N + 2 L H S per token)"
+)
 GB = 1e9
 
 
 def rl_batch(ids: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
-    """`benchmarks.throughput.padded_batch` of `ids` ``[batch, seq]`` with the prompt half's
+    """`benchmarks.training.padded_batch` of `ids` ``[batch, seq]`` with the prompt half's
     labels ignored, a per-sample advantage broadcast to its tokens, and ``old_logps`` /
     ``ref_logps`` placeholders (``-log vocab``-scale numbers; `main` overwrites ``old_logps``
     with the model's own)."""
-    batch = tp.padded_batch(ids)
+    batch = padded_batch(ids)
     rows, seq = ids.shape
     batch["labels"][:, : seq // 2] = -100
     gen = torch.Generator().manual_seed(seed)
@@ -69,36 +75,35 @@ def rl_batch(ids: torch.Tensor, seed: int = 0) -> dict[str, torch.Tensor]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the rows, print a table and return (and write to ``--json``) the results."""
     args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = tp.qwen25_config(args.shape)
+    device = device_of(args.device)
+    config = qwen25_config(args.shape)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=_gen(0))
-    peak = args.peak_flops or tp.default_peak(device)
+    peak = args.peak_flops or default_peak(device)
     result: dict[str, Any] = {
         "shape": args.shape,
         "backend": args.backend,
         "seq": args.seq,
         "batch": args.batch,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "flops_per_token": tp.flops_per_token(config, args.seq),
+        "device_name": device_name(device),
+        "flops_per_token": flops_per_token(config, args.seq),
         "peak_flops": peak,
         "mfu_formula": MFU_FORMULA,
-        "versions": tp.versions(),
+        "versions": versions(),
         "rows": {},
     }
-    world = tp.megatron_world(device) if args.backend == "megatron" else contextlib.nullcontext()
-    with world:
+    with backend_world(args.backend, device):
         holder = [_state(config, args.backend, device)]
-        batch = tp.host_batch(rl_batch(ids), device)
+        batch = host_batch(rl_batch(ids), device)
         runs = _runs(holder, batch, config, device, args)
         for name in args.rows:
-            tp.release(device)
+            release(device)
             try:
                 result["rows"][name] = _measure(name, runs[name], args, device)
             except torch.OutOfMemoryError as e:  # a result (the row does not fit), not a crash
                 result["rows"][name] = {"error": f"OutOfMemoryError: {e}"[:300]}
-            _write(result, args.json)
+            write_json(result, args.json)
     _add_ratios(result)
-    _write(result, args.json)
+    write_json(result, args.json)
     _print(result)
     return result
 
@@ -114,7 +119,7 @@ def _state(config: Any, backend: str, device: torch.device) -> tf.TrainState:
         model = tf.models.from_hf_config(
             config, backend=backend, precision="bf16", device=home, seed=0
         )
-    return tf.init(model, tp.twinkle_optimizer(backend))
+    return tf.init(model, twinkle_optimizer(backend))
 
 
 def _runs(
@@ -139,7 +144,7 @@ def _runs(
 
         return step
 
-    def sync() -> int:
+    def weight_sync() -> int:
         nbytes = 0
         for bucket in tf.export_weights(holder[0], dtype=torch.bfloat16):
             engine.load_state_dict(dict(bucket), strict=False)
@@ -151,7 +156,7 @@ def _runs(
         "sft_step": train(None),
         "grpo_step": train(grpo),
         "grpo_entropy_step": train(entropy),
-        "weight_sync": sync,
+        "weight_sync": weight_sync,
     }
 
 
@@ -160,24 +165,18 @@ def _measure(
 ) -> dict[str, Any]:
     times = []
     for i in range(args.warmup + args.steps):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         out = run()
-        _sync(device)
+        sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    row: dict[str, Any] = {"seconds": seconds, "peak_mem_gib": peak}
+    row: dict[str, Any] = {"seconds": seconds, "peak_mem_gib": peak_gib(device)}
     if name == "weight_sync":
         return {**row, "gb_per_s": out / GB / seconds}
     row["tokens_per_s"] = args.batch * args.seq / seconds
     return {**row, "output_mean": float(out.float().mean())}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _add_ratios(result: dict[str, Any]) -> None:
@@ -188,13 +187,8 @@ def _add_ratios(result: dict[str, Any]) -> None:
         if "tokens_per_s" not in row:
             continue
         flops = per_token / 3 if name == "old_logps" else per_token
-        row["mfu"] = tp.mfu(row["tokens_per_s"], flops, peak)
+        row["mfu"] = mfu(row["tokens_per_s"], flops, peak)
         row["x_sft_step"] = row["tokens_per_s"] / base if base and name in STEP_ROWS else None
-
-
-def _write(result: dict[str, Any], path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(result, indent=2))
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -211,25 +205,25 @@ def _print(result: dict[str, Any]) -> None:
             continue
         cells = (
             name,
-            tp._fmt(row.get("tokens_per_s"), ".0f"),
-            tp._fmt(row.get("gb_per_s"), ".2f"),
-            tp._fmt(row.get("mfu"), ".1f", 100.0, "%"),
-            tp._fmt(row.get("x_sft_step"), ".3f"),
-            tp._fmt(row["seconds"], ".1f", 1e3),
-            tp._fmt(row["peak_mem_gib"], ".1f"),
+            fmt(row.get("tokens_per_s"), ".0f"),
+            fmt(row.get("gb_per_s"), ".2f"),
+            fmt(row.get("mfu"), ".1f", 100.0, "%"),
+            fmt(row.get("x_sft_step"), ".3f"),
+            fmt(row["seconds"], ".1f", 1e3),
+            fmt(row["peak_mem_gib"], ".1f"),
         )
         print(" | ".join(cells))
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=tuple(tp.SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--shape", choices=tuple(QWEN25_SHAPES), default="qwen2.5-0.5b")
     p.add_argument("--backend", choices=("transformers", "megatron"), default="transformers")
-    p.add_argument("--seq", type=tp._positive_int, default=2048)
-    p.add_argument("--batch", type=tp._positive_int, default=8)
+    p.add_argument("--seq", type=positive_int, default=2048)
+    p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
-    p.add_argument("--steps", type=tp._positive_int, default=10)
-    p.add_argument("--warmup", type=tp._positive_int, default=3)
+    p.add_argument("--steps", type=positive_int, default=10)
+    p.add_argument("--warmup", type=positive_int, default=3)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--peak-flops", type=float, default=None, help="default: 989e12 on H100/H200")
     p.add_argument("--json", default=None)

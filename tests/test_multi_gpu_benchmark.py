@@ -7,7 +7,7 @@ checked in test_profile_summary.py.
 
 import pytest
 
-from benchmarks import multi_gpu
+from benchmarks import multi_gpu, multi_gpu_meshes
 
 
 def test_parity_table_flags_a_diverging_mesh():
@@ -52,16 +52,18 @@ def test_four_rank_meshes_on_cpu():
     """Issue 8's meshes on 4 gloo ranks (fsdp4, dp2 x fsdp2; megatron tp2 x pp2, dp2 x tp2, ep4
     and ep2 x tp2 on an 8-expert MoE) agree with one process, step for step."""
     result = multi_gpu.main(["--nproc", "4", "--tiny", "--steps", "2", "--speed"])
-    assert set(result["parity"]) == {m for m in multi_gpu.MESHES if multi_gpu._mesh_world(m) == 4}
+    assert set(result["parity"]) == {
+        m for m in multi_gpu_meshes.MESHES if multi_gpu_meshes.mesh_world(m) == 4
+    }
     for name, row in result["parity"].items():
         assert row["status"] == "ok", (name, row)
         assert row["pass"] and row["max_rel"] < 1e-3, (name, row)
 
 
 def test_the_param_gather_row_runs_only_when_named():
-    rows = multi_gpu.default_speed_rows(2)
+    rows = multi_gpu_meshes.default_speed_rows(2)
     assert "megatron/dp2" in rows and "megatron/dp2-gather" not in rows
-    assert multi_gpu.SPEED_ROWS["megatron/dp2-gather"][2]["overlap_param_gather"] is True
+    assert multi_gpu_meshes.SPEED_ROWS["megatron/dp2-gather"][2]["overlap_param_gather"] is True
 
 
 def test_one_gpu_rows_share_a_wave_only_across_gpus():
@@ -81,9 +83,11 @@ def test_one_gpu_rows_share_a_wave_only_across_gpus():
 
 
 def test_a_variant_row_scales_against_its_own_one_gpu_row():
-    assert multi_gpu.one_gpu_row("fsdp/fsdp2-compiled") == "fsdp/1gpu-compiled"
-    assert multi_gpu.one_gpu_row("fsdp/fsdp2") == "fsdp/1gpu"
+    assert multi_gpu_meshes.one_gpu_row("fsdp/fsdp2-compiled") == "fsdp/1gpu-compiled"
+    assert multi_gpu_meshes.one_gpu_row("fsdp/fsdp2") == "fsdp/1gpu"
     # no one-GPU row of that variant: the backend's plain one
-    assert multi_gpu.one_gpu_row("megatron/dp2-gather") == "megatron/1gpu"
-    assert multi_gpu.SPEED_ROWS["fsdp/dp2-compiled"][2] == {"compile_layers": True}
-    assert not {"fsdp/1gpu-compiled", "fsdp/dp2-compiled"} & set(multi_gpu.default_speed_rows(2))
+    assert multi_gpu_meshes.one_gpu_row("megatron/dp2-gather") == "megatron/1gpu"
+    assert multi_gpu_meshes.SPEED_ROWS["fsdp/dp2-compiled"][2] == {"compile_layers": True}
+    assert not {"fsdp/1gpu-compiled", "fsdp/dp2-compiled"} & set(
+        multi_gpu_meshes.default_speed_rows(2)
+    )

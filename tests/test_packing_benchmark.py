@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from benchmarks import packing
-from benchmarks import throughput as tp
+from benchmarks.flops import flops_per_token
+from benchmarks.shapes import qwen25_config
 from twinkle_fn import backends
 
 _TINY = ["--shape", "tiny", "--tokens", "64", "--max-len", "32", "--steps", "2", "--warmup", "1"]
@@ -51,8 +52,8 @@ def test_sample_lengths_fill_the_row_within_bounds():
 
 
 def test_equal_lengths_give_throughputs_flops():
-    config = tp.qwen25_config("qwen2.5-0.5b")
-    assert packing.flops_per_token(config, [2048] * 8) == tp.flops_per_token(config, 2048)
+    config = qwen25_config("qwen2.5-0.5b")
+    assert packing.flops_per_token(config, [2048] * 8) == flops_per_token(config, 2048)
 
 
 def test_packed_batch_marks_each_samples_last_token_unsupervised():

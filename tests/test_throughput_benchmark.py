@@ -9,6 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks import throughput
+from benchmarks.flops import HOPPER_BF16_PEAK, flops_per_token, matmul_params, mfu
+from benchmarks.shapes import QWEN25_SHAPES, qwen25_config
+from benchmarks.training import padded_batch
 from twinkle_fn import backends
 from twinkle_fn.data import pad_collate
 
@@ -86,27 +89,27 @@ def test_a_failing_row_is_reported_and_the_run_goes_on(monkeypatch, tmp_path):
 )
 def test_mfu_reproduces_the_issue_table(shape, seq, tokens_per_s, mfu_percent):
     """Within 0.1 points: the issue rounds tokens/s to 3 digits (0.2% of 35%) and MFU to 0.1."""
-    config = throughput.qwen25_config(shape)
-    fpt = throughput.flops_per_token(config, seq)
-    value = throughput.mfu(tokens_per_s, fpt, throughput.HOPPER_BF16_PEAK)
+    config = qwen25_config(shape)
+    fpt = flops_per_token(config, seq)
+    value = mfu(tokens_per_s, fpt, HOPPER_BF16_PEAK)
     assert 100 * value == pytest.approx(mfu_percent, abs=0.1)
 
 
-@pytest.mark.parametrize("shape", list(throughput.SHAPES))
+@pytest.mark.parametrize("shape", list(QWEN25_SHAPES))
 def test_matmul_params_are_the_weights_of_every_linear(shape):
     """Independent count: the weights of the HF model's nn.Linear modules (lm_head included)."""
-    config = throughput.qwen25_config(shape)
+    config = qwen25_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert throughput.matmul_params(config) == sum(m.weight.numel() for m in linears)
+    assert matmul_params(config) == sum(m.weight.numel() for m in linears)
 
 
 def test_padded_batch_equals_pad_collate_of_full_rows():
     ids = torch.randint(1, 50, (3, 7), generator=torch.Generator().manual_seed(0))
     feats = [{"input_ids": row, "labels": [*row[1:], -100]} for row in ids.tolist()]
     expected = pad_collate(feats, pad_token_id=0)
-    got = throughput.padded_batch(ids)
+    got = padded_batch(ids)
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
@@ -114,4 +117,4 @@ def test_padded_batch_equals_pad_collate_of_full_rows():
 
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
-        throughput.qwen25_config("qwen9")
+        qwen25_config("qwen9")
