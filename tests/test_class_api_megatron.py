@@ -1,25 +1,25 @@
 """`MegatronModel` on one process and on 2 gloo ranks (tp2, pp2): the class API trains like the
-functional API on the megatron backend, steps after exactly N forward_backward calls, saves and
-resumes across meshes, loads weights only, trains and exports a LoRA adapter, and refuses what
-upstream's Megatron class refuses.
+functional API on the megatron backend, steps after exactly N forward_backward calls, gives
+TransformersModel's log-probs, saves and resumes across meshes and loads weights only. Its LoRA
+adapter is ``test_class_api_megatron_lora.py``'s, its refusals
+``test_class_api_megatron_errors.py``'s.
 
-Two spawns (megatron-core takes seconds to import); the parent compares. Tolerances (float32:
+Two spawns (megatron-core takes seconds to import), the fixture ``runs`` of ``conftest.py``
+(shared with the LoRA tests); the parent compares. Tolerances (float32:
 megatron's distributed optimizer has no float64 path): losses and gradient norms agree to a
 relative 1e-5 -- the same computation, ranks summing token losses in another order. A run saved
 on tp2 and resumed on pp2 is held to the same 1e-5 against the uninterrupted one-process run.
 A weights-only load is checked in bf16 (where megatron keeps separate fp32 main parameters) against
-a model built from the same weights: the same computation, so bit-identical. The exported
-adapter in peft gives the Megatron model's logits to 1e-5 (as `twinkle_fn/megatron/lora_test.py`).
+a model built from the same weights: the same computation, so bit-identical.
 Per-token log-probs equal TransformersModel's at the same initial weights to 1e-5 absolute
 (float32 rounding, observed < 1e-6).
 """
 
-import runpy
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -28,10 +28,8 @@ from twinkle import DeviceMesh
 from twinkle.model import MegatronModel, TransformersModel
 from twinkle_fn.backends.megatron import parallel
 from twinkle_fn.data import pad_collate
-from twinkle_fn.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from twinkle_fn.optim import megatron_optimizer
 from twinkle_fn.testing import random_features, tiny_config
-from twinkle_fn.testing_dist import spawn
 
 BATCH, GAS, STEPS, RTOL, LOGPS_ATOL = 4, 2, 2, 1e-5, 1e-5
 RESUMED = 2  # steps after resuming from the checkpoint saved after STEPS
@@ -39,7 +37,6 @@ LR, MIN_LR, DECAY = 1e-2, 1e-3, 4
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 MESHES = {"one": {}, "tp2": {"tp_size": 2}, "pp2": {"pp_size": 2}}
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-COOKBOOK = Path(__file__).resolve().parent.parent / "cookbook"
 SEQ = 10
 
 
@@ -267,30 +264,6 @@ def _two_ranks(out_dir):
     return runs
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("megatron_model")
-    make = runpy.run_path(str(COOKBOOK / "make_tiny_model.py"))["make_tiny_model"]
-    model_dir = make(out_dir / "tiny", hidden_size=32)
-    reference, one, offloaded, lora, four_calls = spawn(
-        _one_process, 1, str(model_dir), str(out_dir), timeout_s=300
-    )[0]
-    two = spawn(_two_ranks, 2, str(out_dir), timeout_s=300)
-    results = {
-        "one": [one],
-        "offload": [offloaded],
-        **{n: [r[n] for r in two] for n in MESHES if n != "one"},
-    }
-    extra = {
-        "lora": lora,
-        "four_calls": four_calls,
-        "model_dir": model_dir,
-        "resumed": [r["resumed"] for r in two],
-        "weights_only": [r["weights_only"] for r in two],
-    }
-    return reference, results, extra
-
-
 @pytest.mark.parametrize("mesh", [*MESHES, "offload"])
 def test_class_api_equals_functional_api(runs, mesh):
     reference, results, _ = runs
@@ -380,125 +353,3 @@ def test_weights_only_load_trains_from_the_loaded_weights(runs):
         for name, tensor in built.items():
             assert torch.equal(loaded[name], tensor), name
         assert any(not torch.equal(built[n], at_load[n]) for n in built)  # the step moved them
-
-
-def test_lora_adapter_trains_alone_and_loads_in_peft(runs):
-    _, _, extra = runs
-    run = extra["lora"]
-    assert run["stepped"] == [False, True] * STEPS  # the adapter's gradient_accumulation_steps
-    assert len(run["steps"]) == STEPS and all(s["grad_norm"] > 0 for s in run["steps"])
-    # Only the adapter trains: the base weights stay bit-identical, every factor moves.
-    assert run["frozen"] > 0 and run["frozen_changed"] == []
-    assert run["trained"].keys() == run["at_init"].keys()
-    assert all(".lora_A." in k or ".lora_B." in k for k in run["trained"])
-    assert all(not torch.equal(t, run["at_init"][k]) for k, t in run["trained"].items())
-    path = Path(run["path"])
-    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "tokenizer_config.json"} <= set(
-        p.name for p in path.iterdir()
-    )
-    weights = load_file(path / ADAPTER_WEIGHTS)
-    assert weights.keys() == run["trained"].keys()
-    assert all(torch.equal(weights[k], t) for k, t in run["trained"].items())
-    hf = AutoModelForCausalLM.from_pretrained(extra["model_dir"], dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(hf, path).eval()
-    ids, _ = _ids()
-    with torch.no_grad():
-        logits = peft_model(input_ids=ids).logits
-        with peft_model.disable_adapter():
-            base = peft_model(input_ids=ids).logits
-    torch.testing.assert_close(logits, run["logits"], rtol=0, atol=1e-5)
-    assert (logits - base).abs().max() > 1e-3  # the adapter was applied, not skipped
-
-
-def test_lora_training_state_saves_and_resumes(runs):
-    """save(save_optimizer=True) with an adapter writes it and its training state;
-    resume_from_checkpoint brings a model trained on since back to it."""
-    resumable = runs[2]["lora"]["resumable"]
-    assert "train_state" in resumable["files"] and "adapter_model.safetensors" in resumable["files"]
-    assert resumable["progress"] == {
-        "cur_step": STEPS,
-        "consumed_train_samples": 6,
-        "gradient_accumulation_steps": GAS,
-    }
-    assert resumable["moved"] and resumable["back"]
-
-
-def test_lora_misuse_is_refused_after_training(runs):
-    _, _, extra = runs
-    second, load, unknown = extra["lora"]["errors"]
-    assert "one LoRA adapter per model" in second
-    assert "loading adapter weights alone into MegatronModel is not supported yet" in load
-    assert "adapter 'other' does not exist" in unknown
-
-
-@pytest.fixture(scope="module")
-def model():
-    return MegatronModel(config=tiny_config(), mixed_precision="no")
-
-
-@pytest.mark.parametrize(
-    "call, match",
-    [
-        (lambda m: m.set_optimizer("AdamW", lr=1e-3), "'default', 'MegatronDistributedOptimizer'"),
-        (
-            lambda m: m.set_lr_scheduler("CosineWarmupScheduler", num_warmup_steps=1),
-            "'default', 'OptimizerParamScheduler'",
-        ),
-        (lambda m: m.forward(inputs=random_features(2)), "forward and backward together"),
-        (lambda m: m.calculate_loss(), "forward and backward together"),
-        (lambda m: m.backward(), "forward and backward together"),
-        (lambda m: m.load("no-such-dir"), "does not exist"),
-        (lambda m: m.get_state_dict(adapter_name="a"), "adapter 'a' does not exist"),
-        (lambda m: m.set_optimizer("default", betas=(0.9, 0.9)), "not supported; known: lr"),
-        (lambda m: m.clip_grad_and_step(max_grad_norm=0.5), "clip_grad=1.0"),
-    ],
-)
-def test_bad_calls_raise_clear_errors(model, call, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        call(model)
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(mixed_precision="fp8"), "mixed_precision must be one of"),
-        (dict(ddp_config={"overlap_param_gather": "on"}), "overlap_param_gather='on'"),
-        (dict(ddp_config={"grad_reduce_in_fp32": False}), "grad_reduce_in_fp32=False"),
-        (dict(ddp_config={"overlap_grad_reduce": "yes"}), "overlap_grad_reduce='yes'"),
-        (dict(config=None), "needs model_id"),
-    ],
-)
-def test_unsupported_options_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        MegatronModel(**{"config": tiny_config(), **kwargs})
-
-
-def test_vpp_is_refused_by_the_device_mesh():
-    with pytest.raises(ValueError, match="vpp_size=2"):
-        DeviceMesh.from_sizes(world_size=2, pp_size=2, vpp_size=2)
-
-
-@pytest.mark.parametrize(
-    "args, kwargs, match",
-    [
-        (("a", "/tmp/adapter-dir"), {}, "not supported on MegatronModel yet"),
-        (("a", LORA), dict(is_trainable=False), "is_trainable=False is not supported"),
-        (("a", LORA), dict(gradient_accumulation_steps=-1), "positive int"),
-        (("", LORA), {}, "non-empty str"),
-        (("a", {"r": 4, "target_modules": ["q_proj"]}), {}, "fuses into one linear_qkv"),
-    ],
-)
-def test_bad_adapters_are_refused(args, kwargs, match):
-    model = MegatronModel(config=tiny_config(), mixed_precision="no")
-    with pytest.raises(ValueError, match=match):
-        model.add_adapter_to_model(*args, **kwargs)
-    model.add_adapter_to_model("a", LORA)  # nothing was half-added
-    with pytest.raises(ValueError, match="one LoRA adapter per model"):
-        model.add_adapter_to_model("b", LORA)
-
-
-@pytest.mark.parametrize("key", ["overlap_grad_reduce", "overlap_param_gather"])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_ddp_config_overlaps_reach_the_core(key, overlap):
-    model = MegatronModel(config=tiny_config(), ddp_config={key: overlap})
-    assert model._model.options[key] is overlap

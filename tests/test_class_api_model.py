@@ -1,5 +1,8 @@
 """`twinkle.model.TransformersModel` on one process: parity with the functional API, gradient
-accumulation, log-probs, inputs, settings, checkpoints and errors.
+accumulation, log-probs and the lr schedule. Checkpoints are in
+``test_class_api_model_checkpoints.py``, model directories and cookbooks in
+``test_class_api_model_cookbook.py``, refused calls and options in
+``test_class_api_model_errors.py``.
 
 float64 throughout (``dtype=torch.float64, mixed_precision='no'``) so that a mismatch is a
 bug, not rounding: the class API calls the very same core functions on the very same batches as
@@ -7,21 +10,16 @@ the functional reference, so their losses and parameters must be bit-identical.
 """
 
 import math
-import runpy
-from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig
 
-import twinkle
 import twinkle_fn as tf
-from twinkle.model import MegatronModel, TransformersModel
-from twinkle.template import Template
-from twinkle_fn.data import encode_messages, pack, pad_collate
+from twinkle.model import TransformersModel
+from twinkle_fn.data import pack, pad_collate
 from twinkle_fn.testing import random_features, tiny_config
 
-COOKBOOK = Path(__file__).resolve().parent.parent / "cookbook"
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 CHATS = [
     {
@@ -40,13 +38,7 @@ CHATS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: torch's intra-op threads only contend on a shared CPU (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(**kwargs):
@@ -255,62 +247,6 @@ def test_disable_lora_gives_base_model_logps():
     assert all(p.requires_grad for p in model.state.params.values())
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    make = runpy.run_path(str(COOKBOOK / "make_tiny_model.py"))["make_tiny_model"]
-    return make(tmp_path_factory.mktemp("tiny") / "model", hidden_size=32)
-
-
-def test_chat_trajectories_are_encoded_by_the_template(model_dir):
-    model = TransformersModel(model_id=model_dir, mixed_precision="no")
-    out = model.forward_only(inputs=CHATS)
-    tok = Template(model_dir).tokenizer
-    feats = [encode_messages(tok, c["messages"]) for c in CHATS]
-    ref = model.forward_only(inputs=feats)
-    assert out.loss == ref.loss and torch.equal(out.logps, ref.logps)
-    # assistant-only labels: one character token per answer character, plus <|im_end|> and \n
-    assert out.num_tokens == sum(len(answer) + 2 for answer in ("5", "Blue."))
-    single = model.forward_only(inputs=CHATS[0])
-    assert single.logps.shape[0] == 1
-
-
-def test_seed_example_runs_on_one_process(model_dir):
-    """Upstream's TransformersModel usage example (cookbook), on one rank."""
-    run = runpy.run_path(str(COOKBOOK / "transformers_fsdp2.py"))["run"]
-    losses = run(
-        str(model_dir),
-        dp_size=1,
-        fsdp_size=1,
-        num_samples=48,
-        batch_size=4,
-        gradient_accumulation_steps=4,
-        lr=1e-2,
-    )
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
-    assert losses[-1] < losses[0]
-
-
-def test_sft_lora_cookbook_trains_and_resumes(model_dir, tmp_path):
-    before = twinkle.infra.settings()
-    try:  # the script calls twinkle.initialize
-        result = runpy.run_path(str(COOKBOOK / "sft_lora.py"))["run"](
-            str(model_dir), str(tmp_path), steps=6, batch_size=8, num_samples=96, lr=1e-2
-        )
-    finally:
-        twinkle.infra._SETTINGS[0] = before
-    assert len(result["losses"]) == 6
-    assert result["heldout_after"] < result["heldout_before"]
-    model = TransformersModel(model_id=model_dir, mixed_precision="bf16")
-    model.add_adapter_to_model("sft", LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    info = model.resume_from_checkpoint(result["checkpoint"])
-    assert info == {
-        "cur_step": 6,
-        "consumed_train_samples": 6 * 8,
-        "gradient_accumulation_steps": 2,
-    }
-    assert int(model.state.step) == 6
-
-
 def _trained(steps=2, adapter=False, **kwargs):
     model = _model(**kwargs)
     if adapter:
@@ -320,53 +256,6 @@ def _trained(steps=2, adapter=False, **kwargs):
         model.forward_backward(inputs=micro_batches[0])
         model.clip_grad_and_step()
     return model
-
-
-@pytest.mark.parametrize("adapter", [False, True])
-def test_save_resume_then_step_equals_no_round_trip(adapter, tmp_path):
-    """Checkpoint round trip: resuming and stepping gives the parameters of stepping on."""
-    model = _trained(adapter=adapter)
-    path = model.save(output_dir=tmp_path, save_optimizer=True, consumed_train_samples=6)
-    assert Path(path).name == "checkpoint-step-2"
-    assert model.save(output_dir=tmp_path, interval=4) is None  # 2 steps: not a multiple of 4
-    feats = random_features(3, seed=99)
-    model.forward_backward(inputs=feats)
-    model.clip_grad_and_step()
-    resumed = _model()
-    if adapter:
-        resumed.add_adapter_to_model("a", LORA)
-    resumed.set_optimizer("AdamW", lr=1e-2)
-    info = resumed.resume_from_checkpoint(path)
-    assert info["cur_step"] == 2 and info["consumed_train_samples"] == 6
-    resumed.forward_backward(inputs=feats)
-    resumed.clip_grad_and_step()
-    _assert_identical(resumed.get_state_dict(), model.get_state_dict())
-
-
-def test_adapter_dir_continues_an_adapter_and_load_restores_weights(tmp_path):
-    model = _trained(adapter=True)
-    path = model.save("adapter", output_dir=tmp_path)
-    assert (Path(path) / "adapter_model.safetensors").is_file()
-    feats = random_features(2, seed=7)
-    trained_logps = model.forward_only(inputs=feats).logps
-    again = _model()
-    again.add_adapter_to_model("b", path)
-    torch.testing.assert_close(
-        again.forward_only(inputs=feats).logps, trained_logps, rtol=0, atol=0
-    )
-    fresh = _model()
-    fresh.add_adapter_to_model("a", LORA)
-    fresh.load("adapter", output_dir=tmp_path)
-    _assert_identical(fresh.get_state_dict(), model.get_state_dict())
-
-
-def test_state_dict_and_train_configs():
-    model = _trained(steps=1, adapter=True)
-    state_dict = model.get_state_dict()
-    assert state_dict and all("lora_" in n for n in state_dict)
-    _assert_identical(state_dict, tf.unshard(model.state))
-    text = model.get_train_configs()
-    assert "adapter: a" in text and "AdamW" in text
 
 
 def test_lr_follows_upstream_cosine_warmup_scheduler():
@@ -398,133 +287,3 @@ def test_set_lr_scheduler_after_training_started_keeps_the_optimizer_state():
     assert model.calculate_metric()["lr"] == pytest.approx(
         0.5 * 1e-2 * (1 + math.cos(math.pi * 1 / 10)), rel=1e-12
     )
-
-
-@pytest.mark.parametrize(
-    ("call", "match"),
-    [
-        (lambda m: m.set_optimizer("Lion"), "unknown optimizer 'Lion'; known: AdamW"),
-        (lambda m: m.set_lr_scheduler("StepLR", step_size=2), "unknown lr scheduler.*Cosine"),
-        (lambda m: m.set_loss("GSPOLoss"), "GSPOLoss.*not available.*sequence-level"),
-        (lambda m: m.set_loss("GRPOLoss", ignore_index=0), "ignore_index must be -100"),
-        (lambda m: m.set_optimizer("AdamW", adapter_name="nope"), "adapter 'nope' does not exist"),
-        (lambda m: m.forward_backward(inputs=random_features(1), adapter_name="x"), "'x' does not"),
-        (lambda m: m.forward_backward(inputs=[]), "empty"),
-        (lambda m: m.backward(), "forward"),
-        (lambda m: m.forward_backward(inputs=CHATS), "set_template"),
-    ],
-)
-def test_bad_calls_raise_clear_errors(call, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        call(_model())
-
-
-def test_clip_with_norm_type_other_than_two_is_refused():
-    model = _model()
-    model.forward_backward(inputs=random_features(1))
-    with pytest.raises(ValueError, match="L2"):
-        model.clip_grad_norm(norm_type=1)
-
-
-def test_adapter_errors():
-    model = _model()
-    model.add_adapter_to_model("a", LORA)
-    with pytest.raises(ValueError, match=r"adapter 'a' already exists \(adapters: \['a'\]\)"):
-        model.add_adapter_to_model("a", LORA)
-    model.add_adapter_to_model("b", LORA)
-    with pytest.raises(
-        ValueError, match=r"'c' does not exist; this model has adapters \['a', 'b'\]"
-    ):
-        model.forward_backward(inputs=random_features(1), adapter_name="c")
-    with pytest.raises(ValueError, match="full-parameter group ''"):
-        model.set_optimizer("AdamW", adapter_name="")
-    model.set_optimizer("AdamW", adapter_name="a")
-    started = _trained(steps=1)
-    with pytest.raises(ValueError, match="before the first forward"):
-        started.add_adapter_to_model("a", LORA)
-    with pytest.raises(ValueError, match="not a peft adapter directory"):
-        _model().add_adapter_to_model("a", "/nonexistent")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"mixed_precision": "fp8"}, "mixed_precision"),
-        ({"grad_scaler_config": {"init_scale": 2.0}}, "grad_scaler_config"),
-        ({"ddp_config": {"find_unused_parameters": True}}, "ddp_config"),
-        ({"strategy": "deepspeed"}, "strategy"),
-        ({"fsdp_config": {"cpu_offload": True}}, "cpu_offload"),
-        ({"fsdp_config": {"expert_parallel": {"ep_size": 2}}}, r"'expert_parallel'\] keys"),
-        ({"fsdp_config": {"expert_parallel": {"router_dtype": "bf16"}}}, "router_dtype.*'fp32'"),
-        ({"fsdp_config": {"expert_parallel": {"enabled": "yes"}}}, r"\['enabled'\] must be a bool"),
-        ({"model_cls": "AutoModelForSequenceClassification"}, "causal LM"),
-        ({"hidden_sizes": 3}, "unknown TransformersModel arguments"),
-    ],
-)
-def test_unsupported_options_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        TransformersModel(config=tiny_config(), **kwargs)
-
-
-def test_model_id_takes_its_own_config_and_refuses_another(model_dir):
-    """Upstream's EP cookbook passes ``config=AutoConfig.from_pretrained(model_id)`` (use_cache
-    off) next to the model id: the directory's model loads; a config of another model is
-    refused naming the fields."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.use_cache = False
-    model = TransformersModel(model_id=model_dir, config=config, mixed_precision="no")
-    assert model.get_train_configs()
-    config.num_hidden_layers += 1
-    with pytest.raises(ValueError, match=r"differs from the directory's config.json in \['num_"):
-        TransformersModel(model_id=model_dir, config=config)
-
-
-def test_expert_parallel_switches_take_upstream_clis_ints():
-    """``--enable-ep 1`` reaches ``enabled`` as the int 1 through upstream's CLI."""
-    from twinkle import DeviceMesh
-    from twinkle.model._build import check_expert_parallel, check_options
-
-    options = {"expert_parallel": {"enabled": 1, "keep_router_logits": 0}}
-    args = ("AutoModelForCausalLM", "native_fsdp", None)
-    assert check_options(*args, options, None) == options
-    check_expert_parallel(options, DeviceMesh.from_sizes(dp_size=2, ep_size=2))
-    with pytest.raises(ValueError, match=r"\['enabled'\] must be a bool \(or 0 / 1\), got 2"):
-        check_options(*args, {"expert_parallel": {"enabled": 2}}, None)
-
-
-def test_expert_parallel_disabled_on_an_ep_mesh_is_refused():
-    from twinkle import DeviceMesh
-    from twinkle.model._build import check_expert_parallel
-
-    mesh = DeviceMesh.from_sizes(dp_size=2, ep_size=2)
-    with pytest.raises(ValueError, match="enabled'\\]=False with a mesh of ep_size=2"):
-        check_expert_parallel({"expert_parallel": {"enabled": False}}, mesh)
-    check_expert_parallel({"expert_parallel": {"enabled": True}}, mesh)
-    check_expert_parallel({}, mesh)
-
-
-def test_mesh_must_match_the_world_and_a_source_is_needed():
-    from twinkle import DeviceMesh
-
-    with pytest.raises(ValueError, match="world has 1"):
-        TransformersModel(config=tiny_config(), device_mesh=DeviceMesh.from_sizes(fsdp_size=2))
-    with pytest.raises(ValueError, match="model_id"):
-        TransformersModel()
-
-
-def test_megatron_model_refuses_a_missing_model_dir_clearly():
-    with pytest.raises(ValueError, match=r"not a directory with a config\.json"):
-        MegatronModel(model_id="/nonexistent")
-
-
-def test_fp8_is_the_core_model_option():
-    """``fp8=`` reaches the core model's option (checked and applied by the backend at the first
-    state); ``mixed_precision='fp8'`` stays refused above: the compute dtype is another knob."""
-    assert TransformersModel(config=tiny_config(), fp8="rowwise")._model.options == {
-        "fp8": "rowwise"
-    }
-    assert TransformersModel(config=tiny_config())._model.options == {}
-    stored = TransformersModel(config=tiny_config(), fp8="tensorwise", fp8_store_frozen=True)
-    assert stored._model.options == {"fp8": "tensorwise", "fp8_store_frozen": True}
