@@ -3,7 +3,6 @@ refused before any compute (naming the field, the value and the fix), and a step
 to step is an error, not a silent no-op."""
 
 import pytest
-import torch
 
 from twinkle.model import TransformersModel
 from twinkle_fn.testing import random_features, tiny_config
@@ -11,13 +10,7 @@ from twinkle_fn.testing import random_features, tiny_config
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: torch's intra-op threads only contend on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model():

@@ -41,13 +41,7 @@ Q_LORA_B = "model.layers.0.self_attn.q_proj.lora_B.{}.weight"
 Q_LORA_B_FILE = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: torch's intra-op threads only contend on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(names):
