@@ -152,7 +152,9 @@ def test_two_ranks_under_a_launcher_split_every_batch(tmp_path):
     fsdp=2. Each rank feeds only its slice of every batch (before: the whole batch on each rank,
     a replica with twice the compute), the two slices are the one-process run's tokens, and the
     weights are the one-process run's (float32: the same sums in another order over 4 Adam
-    steps; observed max difference 1.2e-7, one ulp of the norm weights ~1.0)."""
+    steps; observed max difference 1.2e-7, one ulp of the norm weights ~1.0). Key biases are the
+    exception: softmax ignores a bias added to every key, so their gradient is rounding noise,
+    which Adam scales into steps that follow the noise (observed up to 1.1e-6 on values ~3e-3)."""
     from twinkle_fn.testing_dist import spawn
 
     ranks = spawn(_train_on_two_ranks, 2, tmp_path)
@@ -168,7 +170,8 @@ def test_two_ranks_under_a_launcher_split_every_batch(tmp_path):
         assert sum(fed) == one[1] == summary["train_tokens"] and 0 < min(fed) < 0.6 * one[1]
         two = AutoModelForCausalLM.from_pretrained(tmp_path / name / "checkpoint").state_dict()
         for key, weight in ref.items():
-            torch.testing.assert_close(two[key], weight, rtol=0, atol=1e-6)
+            atol = 1e-5 if key.endswith("k_proj.bias") else 1e-6
+            torch.testing.assert_close(two[key], weight, rtol=0, atol=atol, msg=key)
 
 
 def test_fewer_samples_per_data_rank_than_micro_batches_is_named(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Optax-style optimizers over in-place torch kernels: `adamw`, `adamw_bf16` (bf16 moments and
 stochastically rounded bf16 parameters), `sgd`, `muon`, `clip_by_global_norm`,
-composed with `chain` and applied with `apply_updates`; and `megatron_optimizer`, megatron-core's
-distributed optimizer, for the megatron backend."""
+composed with `chain` and applied with `apply_updates` (a `ScaledUpdates` carries a factor not yet
+multiplied in to the transformations that take one, `materialise` multiplies it in); and
+`megatron_optimizer`, megatron-core's distributed optimizer, for the megatron backend."""
 
 from twinkle_fn.optim.adamw import AdamWState, adamw
 from twinkle_fn.optim.adamw_bf16 import AdamWBf16State, adamw_bf16
@@ -10,11 +11,13 @@ from twinkle_fn.optim.base import (
     GradientTransformation,
     OptState,
     Params,
+    ScaledUpdates,
     Schedule,
     Updates,
     apply_updates,
     chain,
     current_lr,
+    materialise,
 )
 from twinkle_fn.optim.clip import clip_by_global_norm
 from twinkle_fn.optim.masks import DecayMask, default_decay_mask, resolve_mask
@@ -32,6 +35,7 @@ __all__ = [
     "OptState",
     "Params",
     "SGDState",
+    "ScaledUpdates",
     "Schedule",
     "Updates",
     "adamw",
@@ -41,6 +45,7 @@ __all__ = [
     "clip_by_global_norm",
     "current_lr",
     "default_decay_mask",
+    "materialise",
     "megatron_optimizer",
     "muon",
     "resolve_mask",

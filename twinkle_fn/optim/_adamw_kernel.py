@@ -52,7 +52,9 @@ def _adamw_kernel(
     eps,
     step_size,  # -lr / (1 - b1**t)
     decay_scale,  # -lr * weight_decay
+    grad_scale_ptr,  # float32 [1]: the gradients' pending factor (read only when SCALED)
     DTYPE: tl.constexpr,
+    SCALED: tl.constexpr,
     LERP_SMALL: tl.constexpr,  # lerp_weight < 0.5: torch's lerp formula differs on each side
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -71,6 +73,8 @@ def _adamw_kernel(
         offsets = start + step + tl.arange(0, BLOCK)
         mask = offsets < end
         g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            g = g * tl.load(grad_scale_ptr)
         m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         # the parameter is read only where it is decayed; elsewhere p = 0 adds nothing to u
@@ -100,9 +104,18 @@ def adamw_step_(
     step_size: float,
     bc2_sqrt: float,
     decay_scale: float,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step for every tensor, in place: the moments advance, and each gradient's buffer
     receives its update ``u`` (``step_size * m/(sqrt(v)/bc2_sqrt + eps) + decay_scale * p``).
+
+    `grad_scale`, a float32 0-d tensor on the tensors' device (or None), multiplies every
+    gradient as it is read: a factor not yet applied (token normalisation, clipping; see
+    `twinkle_fn.optim.base.ScaledUpdates`). In float32 that agrees with multiplying the
+    gradients in place first to within an ulp (the GPU compiler may fuse the product into the
+    first moment's update); a bf16/fp16 gradient's product stays in float32 (one rounding fewer
+    than a multiply in the tensor dtype). Raises ``ValueError`` for a `grad_scale` of another
+    size, dtype or device.
 
     ``params[i]`` is the parameter of a decayed tensor, ``None`` for one without weight decay.
     All tensors must be contiguous, on one device, with one dtype from `KERNEL_DTYPES`, and
@@ -122,6 +135,13 @@ def adamw_step_(
             )
     if dtype not in KERNEL_DTYPES:
         raise ValueError(f"adamw_step_: dtype {dtype} is not one of {KERNEL_DTYPES}")
+    if grad_scale is not None and (
+        grad_scale.numel() != 1 or grad_scale.dtype != torch.float32 or grad_scale.device != device
+    ):
+        raise ValueError(
+            f"adamw_step_: grad_scale must be one float32 element on {device}; got "
+            f"{grad_scale.dtype} of shape {tuple(grad_scale.shape)} on {grad_scale.device}"
+        )
     for g, m, v, p in zip(grads, mus, nus, params, strict=True):
         if m.shape != g.shape or v.shape != g.shape or (p is not None and p.shape != g.shape):
             raise ValueError(f"adamw_step_: operands of one tensor differ in shape ({g.shape})")
@@ -151,9 +171,12 @@ def adamw_step_(
     # pinned + non_blocking: the copy is queued on the stream, the host does not wait for it
     meta = meta.to(device, non_blocking=True)
     lerp_weight = 1.0 - b1
+    scaled = grad_scale is not None
     args = (meta, n, lerp_weight, b2, 1.0 - b2, bc2_sqrt, eps, step_size, decay_scale)
+    args += (grad_scale if scaled else meta,)  # any tensor will do where it is not read
     kwargs = dict(
         DTYPE=_TRITON_DTYPES[dtype],
+        SCALED=scaled,
         LERP_SMALL=abs(lerp_weight) < 0.5,
         BLOCK=_BLOCK,
         CHUNK=_CHUNK,

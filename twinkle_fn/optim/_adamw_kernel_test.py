@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from twinkle_fn.optim import _adamw_kernel, adamw, apply_updates
+from twinkle_fn.optim.base import ScaledUpdates, materialise
 from twinkle_fn.pytree import tree_map
 from twinkle_fn.testing import run_triton_interpreted
 
@@ -115,10 +116,34 @@ def check_kernel(device: str, dtype: torch.dtype, weight_decay: float, force: bo
         apply_updates(params, u)
 
 
+def check_scaled(device: str, force: bool) -> None:
+    """A pending scale (`ScaledUpdates`) through the kernel equals the gradients multiplied in
+    place first (float32), and every contiguous leaf took the kernel."""
+    gen = torch.Generator().manual_seed(1)
+    params = _tensors(device, torch.float32, gen)
+    grads = _tensors(device, torch.float32, gen)
+    scale = torch.tensor(3e-4, dtype=torch.float64, device=device)
+    tx = adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=0.1)
+    first = tree_map(torch.clone, (grads, tx.init(params), params))
+    second = tree_map(torch.clone, first)
+    with _kernel_calls(force) as taken:
+        u, state = tx.update(ScaledUpdates(first[0], scale), first[1], first[2])
+    assert id(first[0]["mat"]) in taken and id(first[0]["t"]) not in taken, "wrong path"
+    with _kernel_calls(force):
+        ref_u, ref_state = tx.update(materialise(ScaledUpdates(second[0], scale)), *second[1:])
+    for k in params:
+        for got, want in ((u, ref_u), (state.mu, ref_state.mu), (state.nu, ref_state.nu)):
+            if device == "cpu":  # the interpreter rounds the product as a separate multiply
+                assert torch.equal(got[k], want[k]), k
+            else:  # the GPU may fuse it into the first moment's update: an ulp
+                torch.testing.assert_close(got[k], want[k], rtol=2**-22, atol=1e-30, msg=k)
+
+
 def check_all_interpreted() -> None:
     """Every case on CPU tensors; run under TRITON_INTERPRET=1."""
     for dtype, wd in CASES:
         check_kernel("cpu", dtype, wd, force=True)
+    check_scaled("cpu", force=True)
 
 
 def test_interpreted_kernel_matches_foreach_and_float64_math():
@@ -137,12 +162,22 @@ def test_bad_operands_raise():
         _adamw_kernel.adamw_step_([d], [d.clone()], [d.clone()], [None], **common)
     with pytest.raises(ValueError, match="differ in shape"):
         _adamw_kernel.adamw_step_([g], [torch.zeros(2)], [g.clone()], [None], **common)
+    for bad in (torch.ones(2), torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="grad_scale must be one float32 element"):
+            _adamw_kernel.adamw_step_(
+                [g], [g.clone()], [g.clone()], [None], **common, grad_scale=bad
+            )
 
 
 @CUDA
 @pytest.mark.parametrize(("dtype", "weight_decay"), CASES)
 def test_cuda_kernel_matches_foreach_and_float64_math(dtype, weight_decay):
     check_kernel("cuda", dtype, weight_decay, force=False)
+
+
+@CUDA
+def test_cuda_kernel_takes_a_pending_scale():
+    check_scaled("cuda", force=False)
 
 
 @CUDA

@@ -36,12 +36,14 @@ from twinkle_fn import _triton
 from twinkle_fn.optim.base import (
     GradientTransformation,
     Params,
+    ScaledUpdates,
     Schedule,
     Updates,
     advance_counter,
     check_lr,
     check_nonnegative,
     foreach_groups,
+    foreach_mul_,
     init_counter,
     local_operands,
     lr_at,
@@ -76,8 +78,10 @@ def adamw(
     update uses ``lr(0)``). Weight decay ``p <- p - lr*weight_decay*p`` applies only to the leaves
     selected by `mask` (see `resolve_mask`; ``None`` decays everything); it needs the params to be
     passed to ``update``. `fused` lets CUDA tensors take the one-pass Triton kernel (see the
-    module docstring); ``False`` keeps every tensor on torch's foreach kernels. Raises
-    ``ValueError`` for an out-of-range hyper-parameter.
+    module docstring); ``False`` keeps every tensor on torch's foreach kernels. Takes a
+    `ScaledUpdates` (``takes_scaled``): the kernel multiplies each gradient by the pending scale
+    as it reads it (in float32 within an ulp of multiplying first), the foreach path multiplies
+    first. Raises ``ValueError`` for an out-of-range hyper-parameter.
     """
     lr = check_lr(lr)
     b1 = check_nonnegative("b1", b1, below_one=True)
@@ -94,8 +98,11 @@ def adamw(
         return AdamWState(count=count, lr=last_lr, mu=zeros, nu=tree_map(torch.zeros_like, zeros))
 
     def update(
-        updates: Updates, state: AdamWState, params: Params = None
+        updates: Updates | ScaledUpdates, state: AdamWState, params: Params = None
     ) -> tuple[Updates, AdamWState]:
+        scale = None
+        if isinstance(updates, ScaledUpdates):
+            updates, scale = updates.tree, updates.scale
         g = tensor_leaves_like(updates, state.mu, "updates")
         mu, nu = tree_leaves(state.mu), tree_leaves(state.nu)
         step_lr = lr_at(lr, state.count)
@@ -110,9 +117,12 @@ def adamw(
             for idx in foreach_groups(g):
                 if fused and _kernel_applies(g[idx[0]]):
                     takes = [_kernel_takes(g[i], mu[i], nu[i], p[i]) for i in idx]
-                    _kernel_step(*_pick(list(itertools.compress(idx, takes)), g, mu, nu, p), step)
+                    kernel_idx = list(itertools.compress(idx, takes))
+                    _kernel_step(*_pick(kernel_idx, g, mu, nu, p), step, scale)
                     idx = [i for i, took in zip(idx, takes, strict=True) if not took]
                 if idx:
+                    if scale is not None:
+                        foreach_mul_([g[i] for i in idx], scale)
                     _foreach_step(*_pick(idx, g, mu, nu, p), step)
         advance_counter(state.count, state.lr, step_lr)
         return updates, AdamWState(state.count, state.lr, state.mu, state.nu)
@@ -120,7 +130,7 @@ def adamw(
     def next_lr(state: AdamWState) -> float:
         return lr_at(lr, state.count)
 
-    return GradientTransformation(init, update, next_lr)
+    return GradientTransformation(init, update, next_lr, takes_scaled=True)
 
 
 class AdamWStep(NamedTuple):
@@ -196,9 +206,12 @@ def _kernel_step(
     vs: list[torch.Tensor],
     ps: list[torch.Tensor | None],
     step: AdamWStep,
+    scale: torch.Tensor | None,
 ) -> None:
     from twinkle_fn.optim import _adamw_kernel
 
+    if not gs:
+        return
     _adamw_kernel.adamw_step_(
         gs,
         ms,
@@ -210,4 +223,5 @@ def _kernel_step(
         step_size=step.step_size,
         bc2_sqrt=step.bc2_sqrt,
         decay_scale=step.decay_scale,
+        grad_scale=None if scale is None else scale.to(gs[0].device, torch.float32),
     )

@@ -7,12 +7,19 @@ A `GradientTransformation` is a pair of functions. ``init(params)`` builds the o
 memory beyond the kernels' temporaries. ``apply_updates(params, updates)`` then adds the updates to
 the parameters in place.
 
+A caller may hand ``update`` a `ScaledUpdates` instead (the gradients and a factor not yet
+multiplied in) when the transformation says it takes one (``takes_scaled``): a transformation
+that reads every element anyway then folds the factor into that pass (AdamW's kernel), and one
+that only needs the factor's effect on a norm (clipping) adjusts the factor alone, so neither the
+token normalisation nor the clipping pays a pass over the gradients of its own.
+
 States are pytrees whose leaves are tensors (NamedTuples of tensors and trees of tensors), so a
 train state that holds them can be flattened, sharded and checkpointed like the parameters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -35,11 +42,36 @@ class GradientTransformation(NamedTuple):
     ``update(updates, state, params) -> (updates, state)`` (both arguments donated), and
     optionally ``next_lr(state)``: the learning rate the next ``update`` will use (a float, read
     from CPU counters: no device sync), raising ``ValueError`` when a schedule gives a bad value,
-    so that a caller can refuse an update before it donates anything (None: no learning rate)."""
+    so that a caller can refuse an update before it donates anything (None: no learning rate);
+    and ``takes_scaled``: whether ``update`` also takes a `ScaledUpdates` (else callers
+    `materialise` a pending scale first). An ``update`` that takes one may return one."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Updates, OptState, Params], tuple[Updates, OptState]]
     next_lr: Callable[[OptState], float | None] | None = None
+    takes_scaled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledUpdates:
+    """Updates whose value is every leaf of `tree` times the 0-d device tensor `scale`, which is
+    not multiplied in yet. `norm`: the global norm of `tree` itself (not of the scaled value)
+    when the caller has measured it, else None; a transformation that changes the tree in place
+    drops it. Not a pytree node: only a transformation whose ``takes_scaled`` is True receives
+    one."""
+
+    tree: Updates
+    scale: torch.Tensor
+    norm: torch.Tensor | None = None
+
+
+def materialise(updates: Updates | ScaledUpdates) -> Updates:
+    """`updates` as a plain tree: a `ScaledUpdates`' tree multiplied in place by its scale
+    (`foreach_mul_`, no host sync), anything else as it is."""
+    if not isinstance(updates, ScaledUpdates):
+        return updates
+    foreach_mul_(tensor_leaves_like(updates.tree, updates.tree, "updates"), updates.scale)
+    return updates.tree
 
 
 class EmptyState(NamedTuple):
@@ -49,9 +81,11 @@ class EmptyState(NamedTuple):
 def chain(*txs: GradientTransformation) -> GradientTransformation:
     """Compose transformations left to right: ``chain(clip, adamw)`` clips, then runs AdamW.
 
-    The state is a tuple holding one state per transformation, in the same order. Raises
-    ``TypeError`` if an argument is not a `GradientTransformation`, and (from ``update``)
-    ``ValueError`` if the state tuple has the wrong length.
+    The state is a tuple holding one state per transformation, in the same order. The chain takes
+    a `ScaledUpdates` when its first member does; a pending scale is passed on to each member
+    that takes one and multiplied in before one that does not, and the chain returns plain
+    updates. Raises ``TypeError`` if an argument is not a `GradientTransformation`, and (from
+    ``update``) ``ValueError`` if the state tuple has the wrong length.
     """
     for i, tx in enumerate(txs):
         if not isinstance(tx, GradientTransformation):
@@ -72,16 +106,16 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
             )
         new_states = []
         for tx, s in zip(txs, state, strict=True):
-            updates, s = tx.update(updates, s, params)
+            updates, s = tx.update(updates if tx.takes_scaled else materialise(updates), s, params)
             new_states.append(s)
-        return updates, tuple(new_states)
+        return materialise(updates), tuple(new_states)
 
     def next_lr(state: tuple[OptState, ...]) -> float | None:
         # every scheduled member is evaluated: any of them may refuse the next update
         lrs = [tx.next_lr(s) for tx, s in zip(txs, state, strict=True) if tx.next_lr is not None]
         return lrs[0] if lrs else None
 
-    return GradientTransformation(init, update, next_lr)
+    return GradientTransformation(init, update, next_lr, bool(txs) and txs[0].takes_scaled)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

@@ -16,7 +16,13 @@ from twinkle_fn.optim import (
     current_lr,
     sgd,
 )
-from twinkle_fn.optim.base import check_lr, foreach_groups, local_operands
+from twinkle_fn.optim.base import (
+    ScaledUpdates,
+    check_lr,
+    foreach_groups,
+    local_operands,
+    materialise,
+)
 from twinkle_fn.pytree import tree_leaves
 from twinkle_fn.testing_dist import spawn
 
@@ -50,6 +56,37 @@ def test_empty_chain_is_identity():
     g = {"w": torch.arange(3.0)}
     updates, state = tx.update(g, tx.init(g))
     assert state == () and torch.equal(updates["w"], torch.arange(3.0))
+
+
+def test_materialise_multiplies_a_pending_scale_in_place_and_passes_plain_updates():
+    g = {"w": torch.arange(4.0), "b": torch.ones(2, dtype=torch.float64)}
+    assert materialise(g) is g and torch.equal(g["w"], torch.arange(4.0))
+    w = g["w"]
+    out = materialise(ScaledUpdates(g, torch.tensor(0.5, dtype=torch.float64)))
+    assert out is g and out["w"] is w
+    assert torch.equal(w, torch.arange(4.0) / 2) and torch.equal(g["b"], torch.full((2,), 0.5))
+
+
+def test_chain_hands_a_pending_scale_on_only_to_members_that_take_one():
+    """clip then AdamW take the scale (no pass of their own); a member that does not gets the
+    tree multiplied first, and the chain returns plain updates."""
+    seen = []
+
+    def record(updates, state, params=None):
+        seen.append(updates)
+        return updates, state
+
+    plain = GradientTransformation(lambda params: EmptyState(), record)
+    takes = chain(clip_by_global_norm(1.0), plain)
+    assert takes.takes_scaled and not chain(plain, clip_by_global_norm(1.0)).takes_scaled
+    assert not chain().takes_scaled
+    g = {"w": torch.tensor([3.0, 4.0])}  # norm 5, times 0.4: 2, clipped to 1
+    out, _ = takes.update(ScaledUpdates(g, torch.tensor(0.4)), takes.init(g))
+    assert seen == [g] and out is g
+    torch.testing.assert_close(g["w"], torch.tensor([0.6, 0.8]))
+    last_takes = chain(plain, clip_by_global_norm(1.0))
+    out, _ = last_takes.update(g, last_takes.init(g))
+    assert out is g and not isinstance(out, ScaledUpdates)
 
 
 def test_chain_rejects_bad_arguments_and_state():

@@ -3,6 +3,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from twinkle_fn.optim import EmptyState, clip_by_global_norm
+from twinkle_fn.optim.base import ScaledUpdates, materialise
 from twinkle_fn.pytree import tree_global_norm, tree_leaves
 
 
@@ -82,6 +83,7 @@ def test_update_reads_no_tensor_value_on_the_host():
     tx = clip_by_global_norm(1.0)
     with _NoHostReads():
         tx.update(grads, tx.init(grads))
+        tx.update(ScaledUpdates(grads, torch.tensor(0.5)), EmptyState())
     with pytest.raises(AssertionError, match="host read"), _NoHostReads():
         bool(grads["a"].sum() > 0)  # the guard does catch a Python branch on a tensor
 
@@ -90,3 +92,32 @@ def test_update_reads_no_tensor_value_on_the_host():
 def test_bad_max_norm_raises(max_norm):
     with pytest.raises(ValueError, match="max_norm"):
         clip_by_global_norm(max_norm)
+
+
+@pytest.mark.parametrize("scale", [0.001, 1.0, 30.0])
+@pytest.mark.parametrize("given_norm", [False, True])
+def test_a_pending_scale_is_clipped_as_if_multiplied_in(scale, given_norm):
+    """The clip of a `ScaledUpdates` leaves its tree untouched and folds the factor into the
+    pending scale; multiplied in, it is the clip of the multiplied tree (float32 rounding: the
+    norm is the tree's times the scale, not the norm of the rounded products)."""
+    grads = _grads(1.0)
+    copy = [t.clone() for t in tree_leaves(grads)]
+    expected, _ = clip_by_global_norm(1.0).update(
+        {"a": grads["a"] * scale, "b": {"c": grads["b"]["c"] * scale}}, EmptyState()
+    )
+    norm = tree_global_norm(grads) if given_norm else None
+    pending = ScaledUpdates(grads, torch.tensor(scale, dtype=torch.float64), norm)
+    out, state = clip_by_global_norm(1.0).update(pending, EmptyState())
+    assert state == EmptyState() and isinstance(out, ScaledUpdates) and out.tree is grads
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(grads), copy, strict=True))
+    for u, e in zip(tree_leaves(materialise(out)), tree_leaves(expected), strict=True):
+        torch.testing.assert_close(u, e, rtol=2e-6, atol=0)
+
+
+def test_a_given_norm_is_not_measured_again():
+    grads = _grads(1.0)
+    true = tree_global_norm(grads)
+    out, _ = clip_by_global_norm(1.0).update(
+        ScaledUpdates(grads, torch.tensor(1.0), 2 * true), EmptyState()
+    )
+    torch.testing.assert_close(out.scale, 1.0 / (2 * true + 1e-6))

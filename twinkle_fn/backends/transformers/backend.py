@@ -36,7 +36,7 @@ from twinkle_fn.optim import (
     clip_by_global_norm,
     current_lr,
 )
-from twinkle_fn.optim.base import foreach_mul_
+from twinkle_fn.optim.base import ScaledUpdates, foreach_mul_, materialise
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState, next_key
 from twinkle_fn.tensor_specs import TensorSpec
@@ -157,8 +157,7 @@ class TransformersBackend:
         g = grads.params
         ls = state.loss_scale
         scale = num_tokens.clamp(min=1).double() * (1.0 if ls is None else ls.scale.item())
-        foreach_mul_(list(g.values()), 1.0 / scale)
-        grad_norm = tree_global_norm(g)
+        updates, grad_norm = _normalised(g, 1.0 / scale, state.tx.takes_scaled)
         info = {"loss": loss_sum / num_tokens.clamp(min=1), "grad_norm": grad_norm}
         info["num_tokens"] = num_tokens
         if ls is not None:
@@ -169,8 +168,8 @@ class TransformersBackend:
             if not finite:
                 info["lr"] = current_lr(state.opt_state)
                 return state.replace(rng=next_key(state.rng), loss_scale=ls), info
-        updates, opt_state = state.tx.update(g, state.opt_state, state.params)
-        apply_updates(state.params, updates)
+        updates, opt_state = state.tx.update(updates, state.opt_state, state.params)
+        apply_updates(state.params, materialise(updates))
         info["lr"] = current_lr(opt_state)
         new = state.replace(
             opt_state=opt_state, step=state.step + 1, rng=next_key(state.rng), loss_scale=ls
@@ -280,6 +279,19 @@ class TransformersBackend:
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """See `twinkle_fn.backends.transformers.export.export_weights`."""
         return export.export_weights(state, dtype, bucket_bytes, lora)
+
+
+def _normalised(
+    g: dict[str, torch.Tensor], inv: torch.Tensor, deferred: bool
+) -> tuple[dict[str, torch.Tensor] | ScaledUpdates, torch.Tensor]:
+    """The gradients `g` times the 0-d `inv`, and their global norm. `deferred` (the optimizer
+    takes a `ScaledUpdates`): the factor stays pending and the norm is `g`'s times it, one read
+    of the gradients instead of a multiply's read and write and then the norm's read."""
+    if not deferred:
+        foreach_mul_(list(g.values()), inv)
+        return g, tree_global_norm(g)
+    norm = tree_global_norm(g)
+    return ScaledUpdates(g, inv, norm), (norm * inv).to(norm.dtype)
 
 
 def _master_weights(model: Model) -> bool:
