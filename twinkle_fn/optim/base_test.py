@@ -68,8 +68,8 @@ def test_materialise_multiplies_a_pending_scale_in_place_and_passes_plain_update
 
 
 def test_chain_hands_a_pending_scale_on_only_to_members_that_take_one():
-    """clip then AdamW take the scale (no pass of their own); a member that does not gets the
-    tree multiplied first, and the chain returns plain updates."""
+    """clip takes the scale (no pass of its own); a member that does not gets the tree
+    multiplied first, and the chain returns plain updates."""
     seen = []
 
     def record(updates, state, params=None):
