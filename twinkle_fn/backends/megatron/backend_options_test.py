@@ -34,6 +34,7 @@ from twinkle_fn.distributed import rank
 from twinkle_fn.testing import random_features
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_CLIP = 1.25  # `_pending_scale`'s clip threshold
 
 
 def _accumulation():
@@ -53,6 +54,15 @@ def _accumulation():
         state, info = tf.step(state, grads)
         out[how] = (float(info["loss"]), tf.unshard(state), all(shapes.values()), micro)
     return out
+
+
+def _pending_scale():
+    """A plain transform whose members take the token normalisation pending (clip, AdamW) and
+    the same one hiding that (multiplied first): ``(pending run, multiplied-first run)``. An eps
+    near the gradients' size makes AdamW's update depend on their scale, and the clip threshold
+    lies among the steps' norms (1.20-1.27), so that it acts on some steps and not on others."""
+    tx = tf.optim.chain(tf.optim.clip_by_global_norm(_CLIP), tf.optim.adamw(1e-2, eps=1e-3))
+    return tuple(_train("qwen2", tx=tx._replace(takes_scaled=t))[0] for t in (True, False))
 
 
 def _misuse():
@@ -204,6 +214,18 @@ def test_a_plain_transform_runs_on_whole_parameters(one_process, two_ranks):
     for results, _, refused in two_ranks[1]:
         assert "needs whole parameters on every rank" in refused
         _assert_same_run(results["cp2-plain-transform"], one_process[1]["plain_transform"])
+
+
+def test_a_pending_token_scale_trains_as_multiplying_first(one_process):
+    """The plain transform's step with the division by the tokens pending until AdamW reads each
+    gradient equals the one that multiplies first (float32 rounding: the norm is the unscaled
+    gradients' times the factor)."""
+    pending, first = one_process[1]["pending_scale"]
+    norms = [[info["grad_norm"] for info in run["infos"]] for run in (pending, first)]
+    assert min(norms[1]) < _CLIP < max(norms[1]), "the clip should act on some steps only"
+    torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+    for n, p in pending["params"].items():
+        torch.testing.assert_close(p, first["params"][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_overlapped_parameter_gathers_are_waited_for_by_every_reader(one_process, two_ranks):

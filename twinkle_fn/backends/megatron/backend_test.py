@@ -184,6 +184,7 @@ def _one_process():
         _compiled,
         _experts_classes,
         _misuse,
+        _pending_scale,
         _precisions,
     )
 
@@ -202,6 +203,7 @@ def _one_process():
         misuse=_misuse(),
         precisions=_precisions(),
         plain_transform=_train("qwen2", tx=_tx("transformers"))[0],
+        pending_scale=_pending_scale(),
         compiled=_compiled(),
         adam_kernels=adam_kernels,
         experts=(default_experts, looped, _experts_classes(looped_state)),
