@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from twinkle_fn.pytree import PyTree, tree_leaves, tree_structure
+from twinkle_fn.pytree import PyTree, tree_global_norm, tree_leaves, tree_structure
 
 Params = PyTree
 Updates = PyTree
@@ -63,6 +63,14 @@ class ScaledUpdates:
     tree: Updates
     scale: torch.Tensor
     norm: torch.Tensor | None = None
+
+
+def pending_scale(tree: Updates, scale: torch.Tensor) -> tuple[ScaledUpdates, torch.Tensor]:
+    """`tree` with the 0-d `scale` pending (a `ScaledUpdates` carrying the tree's global norm,
+    measured here once) and the global norm of the scaled value (in the tree norm's dtype), with
+    no pass over the tree but the norm's read and no host sync."""
+    norm = tree_global_norm(tree)
+    return ScaledUpdates(tree, scale, norm), (norm * scale).to(norm.dtype)
 
 
 def materialise(updates: Updates | ScaledUpdates) -> Updates:

@@ -22,8 +22,9 @@ from twinkle_fn.optim.base import (
     foreach_groups,
     local_operands,
     materialise,
+    pending_scale,
 )
-from twinkle_fn.pytree import tree_leaves
+from twinkle_fn.pytree import tree_global_norm, tree_leaves
 from twinkle_fn.testing_dist import spawn
 
 
@@ -65,6 +66,14 @@ def test_materialise_multiplies_a_pending_scale_in_place_and_passes_plain_update
     out = materialise(ScaledUpdates(g, torch.tensor(0.5, dtype=torch.float64)))
     assert out is g and out["w"] is w
     assert torch.equal(w, torch.arange(4.0) / 2) and torch.equal(g["b"], torch.full((2,), 0.5))
+
+
+def test_pending_scale_leaves_the_tree_and_gives_the_scaled_values_norm():
+    g = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0])}  # norm 13
+    updates, norm = pending_scale(g, torch.tensor(0.5, dtype=torch.float64))
+    assert updates.tree is g and torch.equal(g["w"], torch.tensor([3.0, 4.0]))
+    assert updates.norm == 13.0 and norm.dtype == torch.float32 and norm == 6.5
+    torch.testing.assert_close(norm, tree_global_norm(materialise(updates)))
 
 
 def test_chain_hands_a_pending_scale_on_only_to_members_that_take_one():

@@ -18,7 +18,8 @@ from twinkle_fn.backends.megatron.compute import live_grads
 from twinkle_fn.backends.megatron.optimizer import MegatronOptState, megatron_update
 from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
 from twinkle_fn.mesh import Mesh
-from twinkle_fn.optim import ScaledUpdates, apply_updates, current_lr, materialise
+from twinkle_fn.optim import apply_updates, current_lr, materialise
+from twinkle_fn.optim.base import pending_scale
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState, next_key
 
@@ -85,10 +86,7 @@ def _transform_update(
         for chunk in placement.chunks:
             chunk.scale_gradients(inv)
     g = {n: t.to(state.params[n].dtype) for n, t in grads.params.items()}
-    grad_norm = tree_global_norm(g)
-    updates: Any = g
-    if deferred:
-        updates, grad_norm = ScaledUpdates(g, inv, grad_norm), (grad_norm * inv).to(grad_norm.dtype)
+    updates, grad_norm = pending_scale(g, inv) if deferred else (g, tree_global_norm(g))
     updates, opt = state.tx.update(updates, state.opt_state, state.params)
     apply_updates(state.params, materialise(updates))
     return grad_norm, opt

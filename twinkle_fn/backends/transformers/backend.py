@@ -36,7 +36,7 @@ from twinkle_fn.optim import (
     clip_by_global_norm,
     current_lr,
 )
-from twinkle_fn.optim.base import ScaledUpdates, foreach_mul_, materialise
+from twinkle_fn.optim.base import ScaledUpdates, foreach_mul_, materialise, pending_scale
 from twinkle_fn.pytree import tree_global_norm
 from twinkle_fn.state import Grads, TrainState, next_key
 from twinkle_fn.tensor_specs import TensorSpec
@@ -287,11 +287,10 @@ def _normalised(
     """The gradients `g` times the 0-d `inv`, and their global norm. `deferred` (the optimizer
     takes a `ScaledUpdates`): the factor stays pending and the norm is `g`'s times it, one read
     of the gradients instead of a multiply's read and write and then the norm's read."""
-    if not deferred:
-        foreach_mul_(list(g.values()), inv)
-        return g, tree_global_norm(g)
-    norm = tree_global_norm(g)
-    return ScaledUpdates(g, inv, norm), (norm * inv).to(norm.dtype)
+    if deferred:
+        return pending_scale(g, inv)
+    foreach_mul_(list(g.values()), inv)
+    return g, tree_global_norm(g)
 
 
 def _master_weights(model: Model) -> bool:
