@@ -7,6 +7,9 @@ after each). `install` swaps in torch foreach ops that leave the norm on the dev
 scale by a device-side coefficient, so megatron takes the path it takes with TE's kernels:
 the norm stays a tensor and clipping multiplies by ``min(1, max_norm / norm)`` without reading
 it. Where TE or apex provided the kernels, `install` changes nothing.
+
+`scale_grad_buffers` divides the DDP grad buffers by the tokens the same sync-free way, at
+foreach's bandwidth.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from collections.abc import Sequence
 
 import torch
 from megatron.core import utils as mcore_utils
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from torch import Tensor
+
+from twinkle_fn.optim.base import foreach_mul_
 
 
 def l2_norm(
@@ -58,3 +64,17 @@ def install() -> None:
         mcore_utils.local_multi_tensor_scale
     ):
         mcore_optimizer.multi_tensor_scale_impl = scale
+
+
+def scale_grad_buffers(chunks: Sequence[DistributedDataParallel], factor: Tensor) -> None:
+    """Multiply every gradient of `chunks`' DDP grad buffers (and any separate main grads) in
+    place by the 0-d `factor`, with no host sync: the product megatron's ``scale_gradients``
+    computes, whose ``grad_data *= factor`` broadcasts a 0-d device operand through a generic
+    strided kernel (18 ms over a 4B-parameter float32 buffer on an H200, where foreach's
+    multiply is bandwidth-bound)."""
+    grads: list[Tensor] = []
+    for chunk in chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            grads.append(buffer.grad_data)
+            grads.extend(buffer.extra_main_grads)
+    foreach_mul_(grads, factor)

@@ -3,7 +3,10 @@ import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.optimizer import clip_grads
 
-from twinkle_fn.backends.megatron import multi_tensor
+import twinkle_fn as tf
+from twinkle_fn.backends.megatron import multi_tensor, parallel
+from twinkle_fn.backends.megatron.backend import megatron_optimizer
+from twinkle_fn.testing import tiny_config
 
 
 def _tensors(dtype=torch.float32):
@@ -82,3 +85,34 @@ def test_megatron_clips_by_a_norm_it_never_reads(megatron_world, restored_clip_g
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-7)
     assert _flat_norm([p.grad for p in params]) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_scale_grad_buffers_multiplies_as_megatrons_scale_gradients(megatron_world):
+    """Megatron's own ``scale_gradients`` over the same buffers is the reference: the same
+    float32 products, bit for bit (the 0-d float64 factor rounds to float32 in both)."""
+    state = tf.init(
+        tf.models.from_hf_config(tiny_config("qwen2"), seed=0, backend="megatron"),
+        megatron_optimizer(1e-2),
+    )
+    chunks = state.model.placement.chunks
+    buffers = [b for chunk in chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(b.grad_data.shape, generator=gen) for b in buffers]
+    factor = 1.0 / torch.tensor(977).double()
+    try:
+        results = []
+        for scale in (multi_tensor.scale_grad_buffers, _megatron_scale):
+            for buffer, grad in zip(buffers, grads, strict=True):
+                buffer.grad_data.copy_(grad)
+            scale(chunks, factor)
+            results.append([b.grad_data.clone() for b in buffers])
+    finally:
+        parallel.destroy()
+    ours, megatrons = results
+    assert all(torch.equal(a, b) for a, b in zip(ours, megatrons, strict=True))
+    assert not torch.equal(ours[0], grads[0])
+
+
+def _megatron_scale(chunks, factor):
+    for chunk in chunks:
+        chunk.scale_gradients(factor)

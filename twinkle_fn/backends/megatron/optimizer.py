@@ -237,8 +237,7 @@ def megatron_update(
     unchanged) and the new state.
     """
     finalize_model_grads(placement.chunks)
-    for chunk in placement.chunks:
-        chunk.scale_gradients(1.0 / num_tokens.clamp(min=1).double())
+    multi_tensor.scale_grad_buffers(placement.chunks, 1.0 / num_tokens.clamp(min=1).double())
     lr = lr_at(opt.hyper.lr, opt.count)
     optimizer = opt.optimizer
     for group in optimizer.param_groups:

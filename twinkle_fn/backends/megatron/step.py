@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from torch import Tensor
 
-from twinkle_fn.backends.megatron import param_sync
+from twinkle_fn.backends.megatron import multi_tensor, param_sync
 from twinkle_fn.backends.megatron.compute import live_grads
 from twinkle_fn.backends.megatron.optimizer import MegatronOptState, megatron_update
 from twinkle_fn.backends.megatron.placement import MegatronPlacement, model_placement
@@ -83,8 +83,7 @@ def _transform_update(
     inv = 1.0 / num_tokens.clamp(min=1).double()
     deferred = state.tx.takes_scaled  # the division stays pending (`ScaledUpdates`)
     if not deferred:
-        for chunk in placement.chunks:
-            chunk.scale_gradients(inv)
+        multi_tensor.scale_grad_buffers(placement.chunks, inv)
     g = {n: t.to(state.params[n].dtype) for n, t in grads.params.items()}
     updates, grad_norm = pending_scale(g, inv) if deferred else (g, tree_global_norm(g))
     updates, opt = state.tx.update(updates, state.opt_state, state.params)
