@@ -43,12 +43,16 @@ def _adamw_bf16_kernel(
     eps,
     step_size,  # -lr / (1 - b1**t)
     decay_scale,  # -lr * weight_decay, 0 when not decayed
+    grad_scale_ptr,  # float32 [1]: the gradient's pending factor (read only when SCALED)
     P_BF16: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        g = g * tl.load(grad_scale_ptr)
     m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -79,10 +83,13 @@ def adamw_bf16_step_(
     step_size: float,
     bc2_sqrt: float,
     decay_scale: float,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """One `adamw_bf16` step of one tensor, in place: `m`, `v` (bf16) advance and are rounded
     stochastically, `p` (bf16: stochastically; float32: exactly) takes the update (with
     ``decay_scale * p`` added, 0 for an undecayed tensor) and `g` (bf16 or float32) is zeroed.
+    `grad_scale`, a float32 0-d tensor on `g`'s device (or None), multiplies the gradient as it
+    is read, in float32: a factor not yet applied (`twinkle_fn.optim.base.ScaledUpdates`).
 
     Every operand is contiguous, of one shape, on one CUDA device (or CPU tensors under Triton's
     interpreter); `seed` is a non-negative int below 2**31 keying the random bits. Raises
@@ -100,14 +107,25 @@ def adamw_bf16_step_(
                 f"one of {list(dtypes)}; got {t.dtype} {tuple(t.shape)} "
                 f"(contiguous={t.is_contiguous()})"
             )
+    if grad_scale is not None and (
+        grad_scale.numel() != 1
+        or grad_scale.dtype != torch.float32
+        or grad_scale.device != g.device
+    ):
+        raise ValueError(
+            f"adamw_bf16_step_: grad_scale must be one float32 element on {g.device}; got "
+            f"{grad_scale.dtype} of shape {tuple(grad_scale.shape)} on {grad_scale.device}"
+        )
     numel = g.numel()
     if numel == 0:
         return
+    scaled = grad_scale is not None
     args = (g, m, v, p, numel, seed, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, eps, step_size)
+    args += (decay_scale, grad_scale if scaled else g)  # any tensor will do where it is not read
     grid = (triton.cdiv(numel, _BLOCK),)
-    kwargs = dict(P_BF16=p.dtype == torch.bfloat16, BLOCK=_BLOCK)
+    kwargs = dict(P_BF16=p.dtype == torch.bfloat16, SCALED=scaled, BLOCK=_BLOCK)
     if g.device.type == "cuda":
         with torch.cuda.device(g.device):
-            _adamw_bf16_kernel[grid](*args, decay_scale, **kwargs)
+            _adamw_bf16_kernel[grid](*args, **kwargs)
     else:  # only Triton's CPU interpreter (TRITON_INTERPRET=1) runs it on CPU tensors
-        _adamw_bf16_kernel[grid](*args, decay_scale, **kwargs)
+        _adamw_bf16_kernel[grid](*args, **kwargs)

@@ -91,8 +91,38 @@ def check_kernel(device: str) -> None:
     assert set(p.float().unique().tolist()) <= {1.0 - 2 * 2**-8, 1.0 - 2**-8, 1.0}
 
 
+def check_scaled(device: str) -> None:
+    """A pending scale is multiplied into the gradient in float32 as the kernel reads it: the
+    step equals the kernel's on that product computed first, with the same random bits. The
+    moments start at the scaled gradients' size, so that a wrong scale moves them."""
+    gen = torch.Generator().manual_seed(2)
+    n = SHAPES["big"]
+    scale = torch.tensor(3e-4, device=device)
+    common = dict(seed=11, b1=0.9, b2=0.999, eps=1e-8, step_size=-LR, bc2_sqrt=1.0)
+    for g_dtype in (torch.bfloat16, torch.float32):
+        g = torch.randn(n, generator=gen).to(device, g_dtype)
+        p = torch.randn(n, generator=gen).to(device, torch.bfloat16)
+        m = (torch.randn(n, generator=gen) * 3e-4).to(device, torch.bfloat16)
+        v = (torch.rand(n, generator=gen) * 1e-7).to(device, torch.bfloat16)
+        runs = []
+        for grad, grad_scale in ((g.clone(), scale), (g.float() * scale, None)):
+            ops = (grad, m.clone(), v.clone(), p.clone())
+            _adamw_bf16_kernel.adamw_bf16_step_(
+                *ops, **common, decay_scale=-LR * 0.1, grad_scale=grad_scale
+            )
+            runs.append(ops[1:])
+        for got, want in zip(*runs, strict=True):
+            assert not torch.equal(want, p) and not torch.equal(want, m)
+            if device == "cpu":  # the interpreter rounds the product as a separate multiply
+                assert torch.equal(got, want), g_dtype
+            else:  # the GPU may fuse it into the first moment's update: a bf16 neighbour
+                diff = (got.float() - want.float()).abs()
+                assert bool((diff <= _ulp(want)).all()), g_dtype
+
+
 def check_interpreted() -> None:
     check_kernel("cpu")
+    check_scaled("cpu")
 
 
 def test_interpreted_kernel_matches_the_torch_path():
@@ -108,8 +138,18 @@ def test_bad_operands_raise():
         _adamw_bf16_kernel.adamw_bf16_step_(g, g.float(), g.clone(), g.clone(), **common)
     with pytest.raises(ValueError, match="p must be contiguous"):
         _adamw_bf16_kernel.adamw_bf16_step_(g, g.clone(), g.clone(), torch.zeros(2), **common)
+    for bad in (torch.ones(2), torch.tensor(1.0, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="grad_scale must be one float32 element"):
+            _adamw_bf16_kernel.adamw_bf16_step_(
+                g, g.clone(), g.clone(), g.clone(), **common, grad_scale=bad
+            )
 
 
 @CUDA
 def test_cuda_kernel_matches_the_torch_path():
     check_kernel("cuda")
+
+
+@CUDA
+def test_cuda_kernel_takes_a_pending_scale():
+    check_scaled("cuda")

@@ -46,6 +46,7 @@ from twinkle_fn.optim.adamw import AdamWStep
 from twinkle_fn.optim.base import (
     GradientTransformation,
     Params,
+    ScaledUpdates,
     Schedule,
     Updates,
     advance_counter,
@@ -89,7 +90,9 @@ def adamw_bf16(
     `lr` is a float or a schedule of the number of updates applied; weight decay applies to the
     leaves `mask` selects. `seed` (an int in [0, 2**62)) seeds the rounding's random bits with
     the update count. ``update`` writes the parameters in place and returns zeroed updates; it
-    needs `params`. Gradients may be bf16 or float32 (a megatron grad buffer). Raises
+    needs `params`. Gradients may be bf16 or float32 (a megatron grad buffer), and may come as
+    a `ScaledUpdates` (``takes_scaled``): their pending factor is multiplied in, in float32, as
+    each gradient is read. Raises
     ``ValueError`` for an out-of-range hyper-parameter or seed, from ``init`` for parameters
     neither bfloat16 nor float32, and from ``update`` without params.
     """
@@ -118,8 +121,11 @@ def adamw_bf16(
         return AdamWBf16State(count, last_lr, tree_map(zeros, params), tree_map(zeros, params))
 
     def update(
-        updates: Updates, state: AdamWBf16State, params: Params = None
+        updates: Updates | ScaledUpdates, state: AdamWBf16State, params: Params = None
     ) -> tuple[Updates, AdamWBf16State]:
+        scale = None
+        if isinstance(updates, ScaledUpdates):
+            updates, scale = updates.tree, updates.scale
         if params is None:
             raise ValueError(
                 "adamw_bf16 writes the parameters itself (stochastic rounding needs the "
@@ -143,14 +149,14 @@ def adamw_bf16(
                     )
                 decayed = bool(decay[i]) if decay is not None else False
                 if _kernel_applies(gi, pi):
-                    _kernel_step(gi, mi, vi, pi, step, decayed, _mix(seed, t) + i)
+                    _kernel_step(gi, mi, vi, pi, step, decayed, _mix(seed, t) + i, scale)
                     continue
                 gen = generators.get(pi.device)
                 if gen is None:
                     gen = generators[pi.device] = torch.Generator(pi.device)
                     gen.manual_seed(_mix(seed, t))
                 for chunk in _chunks(gi, mi, vi, pi):
-                    _chunk_step(*chunk, step, decayed, gen)
+                    _chunk_step(*chunk, step, decayed, gen, scale)
                 gi.zero_()
         advance_counter(state.count, state.lr, step_lr)
         return updates, AdamWBf16State(state.count, state.lr, state.mu, state.nu)
@@ -158,7 +164,7 @@ def adamw_bf16(
     def next_lr(state: AdamWBf16State) -> float:
         return lr_at(lr, state.count)
 
-    return GradientTransformation(init, update, next_lr)
+    return GradientTransformation(init, update, next_lr, takes_scaled=True)
 
 
 def _mix(seed: int, count: int) -> int:
@@ -190,6 +196,7 @@ def _kernel_step(
     step: AdamWStep,
     decayed: bool,
     key: int,
+    scale: torch.Tensor | None,
 ) -> None:
     from twinkle_fn.optim import _adamw_bf16_kernel  # imports triton: only paid on CUDA
 
@@ -205,6 +212,7 @@ def _kernel_step(
         step_size=step.step_size,
         bc2_sqrt=step.bc2_sqrt,
         decay_scale=step.decay_scale if decayed else 0.0,
+        grad_scale=None if scale is None else scale.to(g.device, torch.float32),
     )
 
 
@@ -240,8 +248,9 @@ def _chunk_step(
     step: AdamWStep,
     decayed: bool,
     gen: torch.Generator,
+    scale: torch.Tensor | None,
 ) -> None:
-    g32 = g.float()
+    g32 = g.float() if scale is None else g.float() * scale.to(g.device, torch.float32)
     m32 = m.float().lerp_(g32, 1 - step.b1)
     v32 = v.float().mul_(step.b2).addcmul_(g32, g32, value=1 - step.b2)
     del g32

@@ -6,7 +6,7 @@ import torch
 
 import twinkle_fn as tf
 from twinkle_fn.data import pack
-from twinkle_fn.optim import adamw_bf16, apply_updates
+from twinkle_fn.optim import ScaledUpdates, adamw_bf16, apply_updates, materialise
 from twinkle_fn.optim.adamw_bf16 import stochastic_round_
 from twinkle_fn.testing import random_features, tiny_config
 
@@ -137,3 +137,26 @@ def test_fifty_steps_follow_float32_adamw_where_round_to_nearest_drifts():
     sr_diff, rn_diff = (float((x - fp32).abs().max()) for x in (sr, rn))
     assert sr_diff < SR_MAX_LOSS_DIFF
     assert rn_diff > RN_FACTOR * sr_diff
+
+
+def test_a_pending_scale_steps_as_the_gradients_multiplied_first():
+    """The torch path multiplies a `ScaledUpdates`' float32 gradients by its scale in float32,
+    as `materialise` does: the same step bit for bit (the same seed draws the same bits), over
+    three steps. The moments scale with the gradients, so an ignored scale fails the check."""
+    tx = adamw_bf16(LR, weight_decay=0.1, seed=3)
+    assert tx.takes_scaled
+    scale = torch.tensor(2.5e-4, dtype=torch.float64)
+    runs = []
+    for pending in (True, False):
+        params = _leaves(torch.bfloat16)
+        state = tx.init(params)
+        for t in range(3):
+            grads = _leaves(torch.float32, seed=10 + t)
+            scaled = ScaledUpdates(grads, scale)
+            updates = scaled if pending else materialise(scaled)
+            zeroed, state = tx.update(updates, state, params)
+            assert zeroed is grads and not any(g.any() for g in grads.values())
+        runs.append((params, state.mu, state.nu))
+    for got, want in zip(*runs, strict=True):
+        for k in got:
+            assert torch.equal(got[k], want[k]), k
