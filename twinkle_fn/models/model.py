@@ -22,6 +22,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     PretrainedConfig,
+    PreTrainedModel,
 )
 from transformers.core_model_loading import revert_weight_conversion
 
@@ -208,15 +209,39 @@ def from_pretrained(
             options,
             path,
         )
-    # Straight onto the device the module trains on: the bf16 -> float32 cast and the
-    # finiteness check then run there, not on the host.
+    # Straight onto the device the module trains on, in the files' own dtype: transformers
+    # casts a tensor to another dtype on the host before copying it over (a 4B bf16 checkpoint:
+    # 3.2 s for float32, 1.1 s as stored, on an H200); the exact widening to float32 and the
+    # finiteness check then run on the device.
     target = device if device is not None else backends.get(backend).module_device()
     module = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, device_map=str(torch.device(target))
+        path, dtype=_stored_dtype(found), device_map=str(torch.device(target))
     )
     if found:
         check_finite(module.state_dict(), where=f"model {path}", files=found)
+    _widen(module)
     return _model(module, family, backend, compute_dtype, device, activation_checkpointing, options)
+
+
+def _widen(module: PreTrainedModel) -> None:
+    """Cast `module` to float32 in place, as loading it with ``dtype=torch.float32`` builds it:
+    the loaded tensors widen exactly, and the non-persistent buffers transformers computes
+    rather than loads (gemma3's embedding scale, rotary frequencies) are computed again in
+    float32 by the model's own initialisation, which skips every tensor it marked as loaded."""
+    owners = [m for m in module.modules() if m._non_persistent_buffers_set]
+    module.to(torch.float32)
+    for owner in owners:
+        owner._is_hf_initialized = False
+    module.initialize_weights()
+
+
+def _stored_dtype(found: Mapping[str, TensorSpec]) -> torch.dtype:
+    """The one floating dtype every tensor of a checkpoint is stored in (its specs `found`),
+    when float32 holds each of its values exactly (bf16, fp16); float32 otherwise."""
+    dtypes = {spec.dtype for spec in found.values()}
+    if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16}:
+        return dtypes.pop()
+    return torch.float32
 
 
 def _critic_skeleton(config: PretrainedConfig, path: Path, critic_dir: bool) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from twinkle_fn import backends
 from twinkle_fn.models import FAMILIES, from_hf_config, from_pretrained, resolve_model_dir
@@ -70,6 +70,36 @@ def test_from_pretrained_round_trip(tmp_path):
     torch.testing.assert_close(
         loaded.module(input_ids=ids).logits, model.module(input_ids=ids).logits
     )
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_half_precision_checkpoint_loads_as_transformers_float32_load(
+    tmp_path, monkeypatch, family, stored
+):
+    """Read in the files' dtype and widened on the device, the module equals transformers' own
+    ``dtype=torch.float32`` load bit for bit: every parameter and buffer, the computed
+    non-persistent ones (gemma3's embedding scale) included, all float32."""
+    module = from_hf_config(tiny_config(family), seed=0, device="cpu").module
+    module.to(stored).save_pretrained(tmp_path)
+    read_as = []
+    load = AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        read_as.append(kwargs["dtype"])
+        return load(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+        ours = from_pretrained(tmp_path, device="cpu").module
+    assert read_as == [stored]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    got = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
+    want = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
 
 
 # Families transformers has a token-classification model for (a critic's body and head).
