@@ -124,8 +124,8 @@ def adamw_bf16(
         updates: Updates | ScaledUpdates, state: AdamWBf16State, params: Params = None
     ) -> tuple[Updates, AdamWBf16State]:
         scale = None
-        if isinstance(updates, ScaledUpdates):
-            updates, scale = updates.tree, updates.scale
+        if isinstance(updates, ScaledUpdates):  # cast once, not once a leaf
+            updates, scale = updates.tree, updates.scale.to(torch.float32)
         if params is None:
             raise ValueError(
                 "adamw_bf16 writes the parameters itself (stochastic rounding needs the "
@@ -212,7 +212,7 @@ def _kernel_step(
         step_size=step.step_size,
         bc2_sqrt=step.bc2_sqrt,
         decay_scale=step.decay_scale if decayed else 0.0,
-        grad_scale=None if scale is None else scale.to(g.device, torch.float32),
+        grad_scale=None if scale is None else scale.to(g.device),
     )
 
 
@@ -250,7 +250,7 @@ def _chunk_step(
     gen: torch.Generator,
     scale: torch.Tensor | None,
 ) -> None:
-    g32 = g.float() if scale is None else g.float() * scale.to(g.device, torch.float32)
+    g32 = g.float() if scale is None else g.float() * scale.to(g.device)
     m32 = m.float().lerp_(g32, 1 - step.b1)
     v32 = v.float().mul_(step.b2).addcmul_(g32, g32, value=1 - step.b2)
     del g32
