@@ -73,14 +73,19 @@ def test_from_pretrained_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [(f, {}) for f in FAMILIES] + [("qwen2", {"tie_word_embeddings": True})],
+    ids=[*FAMILIES, "qwen2-tied"],
+)
 def test_a_half_precision_checkpoint_loads_as_transformers_float32_load(
-    tmp_path, monkeypatch, family, stored
+    tmp_path, monkeypatch, family, extra, stored
 ):
     """Read in the files' dtype and widened on the device, the module equals transformers' own
     ``dtype=torch.float32`` load bit for bit: every parameter and buffer, the computed
-    non-persistent ones (gemma3's embedding scale) included, all float32."""
-    module = from_hf_config(tiny_config(family), seed=0, device="cpu").module
+    non-persistent ones (gemma3's embedding scale) included, all float32; tied embeddings stay
+    one parameter."""
+    module = from_hf_config(tiny_config(family, **extra), seed=0, device="cpu").module
     module.to(stored).save_pretrained(tmp_path)
     read_as = []
     load = AutoModelForCausalLM.from_pretrained
@@ -100,6 +105,8 @@ def test_a_half_precision_checkpoint_loads_as_transformers_float32_load(
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert all(p.dtype == torch.float32 for p in ours.parameters())
+    if extra:
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
 
 
 # Families transformers has a token-classification model for (a critic's body and head).
