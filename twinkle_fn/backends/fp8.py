@@ -23,9 +23,9 @@ scales are powers of two, so scaling is exact and the only rounding is the float
 - ``"tensorwise"`` (the faster): one scale per tensor; e4m3 for activations and weights, e5m2
   for output gradients (whose range across tokens one scale must cover). An operand's float8
   copy then serves every GEMM it enters, so backward reuses forward's and quantises only the
-  output gradient. On one H200 (`benchmarks/RESULTS.md`) tensorwise runs 1.19-1.20x the bf16
-  compiled step at the 1.5B and 4B shapes, rowwise 1.01-1.10x; over 200 steps at 0.5B both end
-  within 0.05 of bf16's loss.
+  output gradient. On one H200 (`benchmarks/RESULTS.md`) tensorwise runs 1.18x the bf16
+  compiled step at the 1.5B shape and 1.24x at 4B (transformers backend; megatron 1.12x and
+  1.17x), rowwise 1.01-1.10x; over 200 steps at 0.5B both end within 0.05 of bf16's loss.
 
 With power-of-two scales, float8's relative rounding does not depend on the scale, so the
 two recipes quantise an e4m3 operand alike except for values more than ~2^15 below their scale
